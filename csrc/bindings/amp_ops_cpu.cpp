@@ -1,0 +1,71 @@
+// CPU registrations of the loss-scaling ops (schemas are defined once, in mpfused/ops/).
+#include <ATen/Parallel.h>
+
+#include "../cpu/amp_cpu.h"
+#include "common.h"
+
+namespace mpfused::bind {
+namespace {
+
+void amp_check_impl(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale,
+                    const std::optional<at::Tensor>& norm_sq,
+                    const std::optional<at::Tensor>& norm_sq_per_tensor, bool write_back) {
+  if (grads.empty()) return;
+  const at::Device dev = grads[0].device();
+  check_scalar_f32(found_inf, "found_inf", dev);
+  check_scalar_f32(inv_scale, "inv_scale", dev);
+  if (norm_sq) check_scalar_f32(*norm_sq, "norm_sq", dev);
+  if (norm_sq_per_tensor)
+    TORCH_CHECK(norm_sq_per_tensor->numel() == int64_t(grads.size()) &&
+                    norm_sq_per_tensor->scalar_type() == at::kFloat &&
+                    norm_sq_per_tensor->is_contiguous(),
+                "mpfused: norm_sq_per_tensor must be a contiguous float32 tensor of len(grads)");
+  PackedLists<1> packed({grads}, {write_back}, "grads");
+  std::vector<float> per(packed.numel.size(), 0.f);
+  cpu::amp_check(packed.view(), inv_scale.item<float>(), write_back, found_inf.data_ptr<float>(),
+                 norm_sq ? norm_sq->data_ptr<float>() : nullptr,
+                 norm_sq_per_tensor ? per.data() : nullptr, at::get_num_threads());
+  if (norm_sq_per_tensor) {
+    float* out = norm_sq_per_tensor->data_ptr<float>();
+    for (size_t j = 0; j < per.size(); ++j) out[packed.index[j]] += per[j];
+  }
+  packed.finish();
+}
+
+void unscale_grads_cpu(at::TensorList grads, const at::Tensor& found_inf,
+                       const at::Tensor& inv_scale, const std::optional<at::Tensor>& norm_sq,
+                       const std::optional<at::Tensor>& norm_sq_per_tensor) {
+  amp_check_impl(grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor, true);
+}
+
+void check_grads_cpu(at::TensorList grads, const at::Tensor& found_inf,
+                     const at::Tensor& inv_scale, const std::optional<at::Tensor>& norm_sq,
+                     const std::optional<at::Tensor>& norm_sq_per_tensor) {
+  amp_check_impl(grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor, false);
+}
+
+void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                      const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
+                      double growth_factor, double backoff_factor, int64_t growth_interval,
+                      int64_t hysteresis, double min_scale, double max_scale) {
+  const at::Device dev = scale.device();
+  check_scalar_f32(scale, "scale", dev);
+  check_scalar_f32(found_inf, "found_inf", dev);
+  TORCH_CHECK(growth_tracker.numel() == 1 && growth_tracker.scalar_type() == at::kInt &&
+                  hysteresis_tracker.numel() == 1 && hysteresis_tracker.scalar_type() == at::kInt,
+              "mpfused: growth_tracker and hysteresis_tracker must be 1-element int32 tensors");
+  update_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
+               hysteresis_tracker.data_ptr<int32_t>(), found_inf.item<float>(),
+               ScaleUpdateParams{growth_factor, backoff_factor, growth_interval,
+                                 int32_t(hysteresis), float(min_scale), float(max_scale)});
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mpfused, CPU, m) {
+  m.impl("unscale_grads_", &unscale_grads_cpu);
+  m.impl("check_grads", &check_grads_cpu);
+  m.impl("update_scale_", &update_scale_cpu);
+}
+
+}  // namespace mpfused::bind

@@ -1,0 +1,27 @@
+// Chunking shared by the CPU multi-tensor kernels: every tensor is cut into fixed-size chunks, the
+// chunks of all tensors form one flat work list processed by OpenMP. Reductions write one partial
+// per chunk and are combined in chunk order, so results do not depend on the thread count.
+#pragma once
+#include <stdint.h>
+#include <vector>
+
+namespace mpfused::cpu {
+
+struct Chunk {
+  int64_t tensor;
+  int64_t begin;
+  int64_t end;
+};
+
+// 32Ki elements: large enough to amortize scheduling, small enough to balance 10,000 tiny tensors.
+constexpr int64_t kChunkSize = 1 << 15;
+
+inline std::vector<Chunk> make_chunks(const int64_t* numel, int64_t n, int64_t chunk = kChunkSize) {
+  std::vector<Chunk> out;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t b = 0; b < numel[t]; b += chunk)
+      out.push_back({t, b, numel[t] - b < chunk ? numel[t] : b + chunk});
+  return out;
+}
+
+}  // namespace mpfused::cpu

@@ -1,0 +1,70 @@
+"""Loading of the native extension ``mpfused._C``.
+
+``import mpfused`` never fails because of the extension: when it is missing, disabled
+(``MPFUSED_NO_EXT=1``) or was built against another torch, a single warning is issued and the
+Triton / reference backends serve every op.
+"""
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+
+import torch
+
+_BUILD_INFO = Path(__file__).with_name("_build_info.json")
+_module = None
+_error: str | None = None
+_tried = False
+
+
+def build_info() -> dict:
+    """What setup.py recorded when it built the extension (empty for a pure-Python install)."""
+    try:
+        return json.loads(_BUILD_INFO.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _torch_release(version: str) -> str:
+    return version.split("+")[0]
+
+
+def load():
+    """Import ``mpfused._C`` once; return the module or None (and remember why)."""
+    global _module, _error, _tried
+    if _tried:
+        return _module
+    _tried = True
+    if os.environ.get("MPFUSED_NO_EXT", "0") == "1":
+        _error = "disabled by MPFUSED_NO_EXT=1"
+        return None
+    info = build_info()
+    built_for = info.get("torch_version")
+    if built_for and _torch_release(built_for) != _torch_release(torch.__version__):
+        # Loading a libtorch-ABI extension built for another torch can crash, not just fail.
+        _error = f"built for torch {built_for}, running torch {torch.__version__}; rebuild mpfused"
+    else:
+        try:
+            from mpfused import _C  # noqa: F401  (runs the TORCH_LIBRARY_IMPL registrars)
+
+            _module = _C
+        except (ImportError, OSError, RuntimeError) as exc:
+            _error = f"{type(exc).__name__}: {exc}"
+    if _module is None:
+        warnings.warn(
+            f"mpfused: native extension unavailable ({_error}); using the Triton/reference "
+            "backends. Build it with `pip install --no-build-isolation .`.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return _module
+
+
+def error() -> str | None:
+    return _error
+
+
+def with_cuda() -> bool:
+    return bool(_module is not None and getattr(_module, "with_cuda", 0))

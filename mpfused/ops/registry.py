@@ -1,0 +1,146 @@
+"""The op registry: every op is declared once here, with its schema, its fake (meta) kernel, its
+pure-PyTorch reference and, where they exist, its Triton and native implementations.
+
+Dispatch model
+--------------
+* The schema is defined in Python (``torch.library``), so the op exists with or without the
+  extension. The reference is registered as the CompositeExplicitAutograd kernel, i.e. the
+  fallback on every device; the fake kernel lets ``torch.compile`` trace the op.
+* The native extension registers CPU and CUDA kernels for the same op names from C++
+  (``TORCH_LIBRARY_IMPL(mpfused, CPU/CUDA, m)``); the dispatcher then prefers them.
+* Backends are ``native``, ``triton`` and ``reference``. ``Op.__call__`` resolves which one
+  serves a call: the ``backend=`` argument, else ``MPFUSED_BACKEND``, else automatic (native when
+  it has a kernel for the device, then Triton on CUDA, then the reference). An explicit request
+  for an unavailable backend raises; automatic selection falls back silently.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from mpfused import _extension
+
+NAMESPACE = "mpfused"
+BACKENDS = ("native", "triton", "reference")
+_LIB = torch.library.Library(NAMESPACE, "DEF")
+OPS: dict[str, "Op"] = {}
+
+
+def requested_backend(backend: str | None = None) -> str:
+    """The backend asked for: the explicit argument, else ``MPFUSED_BACKEND``, else ``auto``."""
+    choice = backend or os.environ.get("MPFUSED_BACKEND", "") or "auto"
+    if choice not in BACKENDS + ("auto",):
+        raise ValueError(f"backend must be one of {BACKENDS + ('auto',)}, got {choice!r}")
+    return choice
+
+
+def triton_usable(device_type: str) -> bool:
+    """Triton runs on CUDA, and on CPU tensors only under TRITON_INTERPRET=1."""
+    if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    if device_type not in ("cpu", "cuda"):
+        return False
+    try:
+        import mpfused.triton_kernels  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@dataclass
+class Op:
+    name: str
+    schema: str
+    reference: Callable
+    triton_path: str | None = None  # "module:function", imported on first use
+    _overload: object = field(default=None, repr=False)
+    _triton_fn: Callable | None = field(default=None, repr=False)
+
+    @property
+    def triton(self) -> Callable | None:
+        """The Triton implementation, imported lazily (TRITON_INTERPRET is read at import)."""
+        if self._triton_fn is None and self.triton_path is not None:
+            module, fn = self.triton_path.split(":")
+            self._triton_fn = getattr(importlib.import_module(module), fn)
+        return self._triton_fn
+
+    @property
+    def qualname(self) -> str:
+        return f"{NAMESPACE}::{self.name}"
+
+    @property
+    def overload(self):
+        """``torch.ops.mpfused.<name>.default``: the dispatcher entry (for opcheck/compile)."""
+        if self._overload is None:
+            self._overload = getattr(torch.ops.mpfused, self.name).default
+        return self._overload
+
+    def native_available(self, device_type: str) -> bool:
+        key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
+        return bool(key) and torch._C._dispatch_has_kernel_for_dispatch_key(self.qualname, key)
+
+    def available(self, device_type: str) -> list[str]:
+        out = []
+        if self.native_available(device_type):
+            out.append("native")
+        if self.triton_path is not None and triton_usable(device_type):
+            out.append("triton")
+        out.append("reference")
+        return out
+
+    def resolve(self, device_type: str, backend: str | None = None) -> str:
+        choice = requested_backend(backend)
+        avail = self.available(device_type)
+        if choice == "auto":
+            if device_type == "cpu" and "native" not in avail:
+                return "reference"  # the interpreter is a test aid, never an automatic pick
+            return avail[0]
+        if choice not in avail:
+            raise RuntimeError(
+                f"mpfused: backend {choice!r} is not available for op {self.name} on "
+                f"{device_type} (available: {', '.join(avail)})"
+                + (f"; native extension: {_extension.error()}" if choice == "native" else "")
+            )
+        return choice
+
+    def __call__(self, *args, backend: str | None = None):
+        device_type = _first_device_type(args)
+        chosen = self.resolve(device_type, backend)
+        if chosen == "native":
+            return self.overload(*args)
+        if chosen == "triton":
+            return self.triton(*args)
+        return self.reference(*args)
+
+
+def _first_device_type(args) -> str:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a.device.type
+        if isinstance(a, (list, tuple)):
+            for t in a:
+                if isinstance(t, torch.Tensor):
+                    return t.device.type
+    return "cpu"
+
+
+def define_op(schema: str, *, reference: Callable, fake: Callable | None = None,
+              triton: str | None = None) -> Op:
+    """Declare ``mpfused::<schema>`` once and register its fake kernel and its reference."""
+    name = schema.split("(", 1)[0]
+    _LIB.define(schema)
+    qual = f"{NAMESPACE}::{name}"
+    torch.library.register_fake(qual, fake or _no_output_fake, lib=_LIB)
+    torch.library.register_kernel(qual, "default", reference, lib=_LIB)
+    op = Op(name=name, schema=schema, reference=reference, triton_path=triton)
+    OPS[name] = op
+    return op
+
+
+def _no_output_fake(*args, **kwargs):
+    """Fake kernel of an in-place op that returns nothing: its effect is declared in the schema."""
+    return None

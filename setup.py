@@ -1,0 +1,84 @@
+"""Build of mpfused.
+
+Environment switches
+--------------------
+MPFUSED_NO_EXT=1        pure-Python install: no extension; Triton and reference backends serve.
+MPFUSED_CUDA=auto|0|1   CUDA kernels: auto (default) builds them when the installed torch has CUDA
+                        (torch.version.cuda) and a CUDA toolkit is found (CUDA_HOME / nvcc), never
+                        because a GPU happens to be visible; 0 never; 1 requires them (error if
+                        impossible).
+TORCH_CUDA_ARCH_LIST    architectures to build for (torch's variable); default "8.0;9.0".
+MAX_JOBS                parallel compile jobs (ninja), torch's variable.
+
+Install with `pip install --no-build-isolation .` (or `-e .`): torch is not a build requirement,
+so the torch already installed is the one built against.
+"""
+import glob
+import json
+import os
+import sys
+
+from setuptools import setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+NO_EXT = os.environ.get("MPFUSED_NO_EXT", "0") == "1"
+CUDA_MODE = os.environ.get("MPFUSED_CUDA", "auto")
+if CUDA_MODE not in ("auto", "0", "1"):
+    sys.exit(f"MPFUSED_CUDA must be auto, 0 or 1, got {CUDA_MODE!r}")
+
+PACKAGES = ["mpfused", "mpfused.ops", "mpfused.reference", "mpfused.optim", "mpfused.triton_kernels"]
+PACKAGE_DIR = {"mpfused.triton_kernels": "triton_kernels"}
+
+
+def _sources(pattern):
+    return sorted(glob.glob(os.path.join("csrc", pattern)))
+
+
+def _extensions():
+    if NO_EXT:
+        return [], {}
+    import torch
+    from torch.utils import cpp_extension as ce
+
+    want_cuda = CUDA_MODE != "0"
+    has_toolkit = torch.version.cuda is not None and ce.CUDA_HOME is not None
+    if CUDA_MODE == "1" and not has_toolkit:
+        sys.exit("MPFUSED_CUDA=1 but torch has no CUDA (torch.version.cuda is None) or no CUDA "
+                 "toolkit was found (set CUDA_HOME)")
+    use_cuda = want_cuda and has_toolkit
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    archs = os.environ["TORCH_CUDA_ARCH_LIST"] if use_cuda else ""
+
+    sources = _sources("bindings/module.cpp") + _sources("bindings/*_cpu.cpp") + _sources("cpu/*.cpp")
+    define = [("Py_LIMITED_API", "0x03090000"), ("MPFUSED_WITH_CUDA", "1" if use_cuda else "0"),
+              ("MPFUSED_CUDA_ARCHS", f'"{archs}"')]
+    cxx = ["-O3", "-fopenmp", "-std=c++17"]
+    args = dict(include_dirs=[os.path.join(ROOT, "csrc", "include")], define_macros=define,
+                py_limited_api=True)
+    if use_cuda:
+        sources += _sources("bindings/*_cuda.cpp") + _sources("cuda/*.cu")
+        ext = ce.CUDAExtension("mpfused._C", sources, extra_compile_args={
+            "cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]},
+            extra_link_args=["-fopenmp"], **args)
+    else:
+        ext = ce.CppExtension("mpfused._C", sources, extra_compile_args={"cxx": cxx},
+                              extra_link_args=["-fopenmp"], **args)
+    info = {"torch_version": torch.__version__, "with_cuda": use_cuda, "cuda_archs": archs,
+            "cuda_version": torch.version.cuda if use_cuda else None}
+    with open(os.path.join(ROOT, "mpfused", "_build_info.json"), "w") as f:
+        json.dump(info, f)
+    cmdclass = {"build_ext": ce.BuildExtension.with_options(use_ninja=True)}
+    return [ext], cmdclass
+
+
+ext_modules, cmdclass = _extensions()
+setup(
+    name="mpfused",
+    version="0.1.0",
+    packages=PACKAGES,
+    package_dir=PACKAGE_DIR,
+    package_data={"mpfused": ["_build_info.json"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    options={"bdist_wheel": {"py_limited_api": "cp39"}} if ext_modules else {},
+)

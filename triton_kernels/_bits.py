@@ -1,0 +1,36 @@
+"""Storage-type helpers shared by the Triton kernels."""
+import torch
+import triton
+import triton.language as tl
+
+DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def as_kernel_arg(t: torch.Tensor) -> torch.Tensor:
+    """bf16 tensors travel as int16 views; the kernel decodes them with integer ops."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+@triton.jit
+def load_f32(ptr, offs, mask, DT: tl.constexpr):
+    if DT == 2:
+        u = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        return (u << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_f32(ptr, offs, x, mask, DT: tl.constexpr):
+    if DT == 2:
+        u = x.to(tl.uint32, bitcast=True)
+        r = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        r = tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, r)
+        tl.store(ptr + offs, r.to(tl.int32).to(tl.int16), mask=mask)
+    else:
+        tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def is_nonfinite(x):
+    return (x - x) != 0.0  # inf - inf and NaN - NaN are NaN; finite - itself is 0
