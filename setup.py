@@ -52,7 +52,7 @@ def _extensions():
     sources = _sources("bindings/module.cpp") + _sources("bindings/*_cpu.cpp") + _sources("cpu/*.cpp")
     define = [("Py_LIMITED_API", "0x03090000"), ("MPFUSED_WITH_CUDA", "1" if use_cuda else "0"),
               ("MPFUSED_CUDA_ARCHS", f'"{archs}"')]
-    cxx = ["-O3", "-fopenmp", "-std=c++17"]
+    cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-std=c++17"]
     args = dict(include_dirs=[os.path.join(ROOT, "csrc", "include")], define_macros=define,
                 py_limited_api=True)
     if use_cuda:

@@ -22,6 +22,13 @@ inline int32_t dtype_code(const at::Tensor& t, const char* what) {
   }
 }
 
+// Every tensor of `list` has dtype `want` (or, when `like` is given, the dtype of like[i]).
+inline void check_dtypes(at::TensorList list, at::ScalarType want, const char* what) {
+  for (size_t i = 0; i < list.size(); ++i)
+    TORCH_CHECK(list[i].scalar_type() == want, "mpfused: ", what, "[", i, "] must be ", want,
+                ", got ", list[i].scalar_type());
+}
+
 inline void check_scalar_f32(const at::Tensor& t, const char* what, const at::Device& dev) {
   TORCH_CHECK(t.numel() == 1 && t.scalar_type() == at::kFloat,
               "mpfused: ", what, " must be a 1-element float32 tensor, got ", t.sizes(), " ",
@@ -33,7 +40,8 @@ inline void check_scalar_f32(const at::Tensor& t, const char* what, const at::De
 // Packs DEPTH parallel tensor lists (operand k of tensor i is lists[k][i]). Elementwise kernels
 // are order-agnostic, so a tensor whose operands are all dense with identical strides is used in
 // place; any other tensor is staged through contiguous copies, written back by finish() for the
-// operands marked mutable. Empty tensors are dropped: they never take a kernel slot.
+// operands marked mutable. Empty tensors are dropped: they never take a kernel slot. An operand
+// list that is empty is absent (optional operands): its pointers are null.
 template <int DEPTH>
 struct PackedLists {
   std::array<std::vector<void*>, DEPTH> ptrs;
@@ -45,13 +53,16 @@ struct PackedLists {
   PackedLists(const std::array<at::TensorList, DEPTH>& lists, std::array<bool, DEPTH> mutated,
               const char* what, bool require_logical_order = false) {
     const size_t n = lists[0].size();
+    std::array<bool, DEPTH> present;
+    for (int k = 0; k < DEPTH; ++k) present[k] = k == 0 || !lists[k].empty();
     for (int k = 1; k < DEPTH; ++k)
-      TORCH_CHECK(lists[k].size() == n, "mpfused: ", what, ": tensor lists differ in length (",
+      TORCH_CHECK(!present[k] || lists[k].size() == n, "mpfused: ", what, ": tensor lists differ in length (",
                   n, " vs ", lists[k].size(), ")");
     for (size_t i = 0; i < n; ++i) {
       const at::Tensor& t0 = lists[0][i];
       bool direct = true;
       for (int k = 0; k < DEPTH; ++k) {
+        if (!present[k]) continue;
         const at::Tensor& t = lists[k][i];
         TORCH_CHECK(t.layout() == at::kStrided, "mpfused: ", what, "[", i,
                     "] must be a dense (strided) tensor; sparse tensors are not supported");
@@ -68,6 +79,10 @@ struct PackedLists {
       numel.push_back(t0.numel());
       index.push_back(int64_t(i));
       for (int k = 0; k < DEPTH; ++k) {
+        if (!present[k]) {
+          ptrs[k].push_back(nullptr);
+          continue;
+        }
         at::Tensor t = lists[k][i];
         if (!direct) {
           at::Tensor staged = t.contiguous();

@@ -3,6 +3,7 @@
 #pragma once
 #include <stdint.h>
 #include <string.h>
+#include <math.h>
 
 #if defined(__CUDACC__)
 #define MPF_HD __host__ __device__ __forceinline__

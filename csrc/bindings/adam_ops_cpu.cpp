@@ -1,0 +1,58 @@
+// CPU registration of the multi-tensor Adam/AdamW step.
+#include <ATen/Parallel.h>
+
+#include "../cpu/adam_cpu.h"
+#include "common.h"
+
+namespace mpfused::bind {
+namespace {
+
+void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                   at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                   at::TensorList masters, at::TensorList steps, double lr,
+                   const std::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
+                   double eps, double weight_decay, bool amsgrad, bool maximize, bool decoupled,
+                   int64_t master_mode, const std::optional<at::Tensor>& grad_scale,
+                   const std::optional<at::Tensor>& found_inf,
+                   const std::optional<at::Tensor>& norm_sq, double max_grad_norm, int64_t seed) {
+  if (params.empty()) return;
+  // Skip on found_inf > 0: nothing is touched, step counters included. CPU tensors: no sync.
+  if (found_inf && found_inf->item<float>() > 0.f) return;
+  for (size_t i = 0; i < params.size(); ++i)
+    TORCH_CHECK(grads[i].scalar_type() == params[i].scalar_type(), "mpfused: grads[", i,
+                "] must have its param's dtype ", params[i].scalar_type(), ", got ",
+                grads[i].scalar_type());
+  check_dtypes(exp_avgs, at::kFloat, "exp_avgs");
+  check_dtypes(exp_avg_sqs, at::kFloat, "exp_avg_sqs");
+  check_dtypes(max_exp_avg_sqs, at::kFloat, "max_exp_avg_sqs");
+  TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == params.size(),
+              "mpfused: amsgrad needs one max_exp_avg_sq per param");
+  if (master_mode == kFp32Master) check_dtypes(masters, at::kFloat, "masters");
+  if (master_mode == kRemainder) check_dtypes(masters, at::kShort, "masters (remainders)");
+  TORCH_CHECK(steps.size() == params.size(), "mpfused: one step tensor per param is required");
+
+  float grad_mult = grad_scale ? 1.f / grad_scale->item<float>() : 1.f;
+  if (norm_sq && max_grad_norm > 0) {
+    const double norm = std::sqrt(double(norm_sq->item<float>()));
+    grad_mult *= float(std::min(1.0, max_grad_norm / (norm + 1e-6)));
+  }
+  const bool has_master = master_mode == kFp32Master || master_mode == kRemainder;
+  PackedLists<6> packed({params, grads, exp_avgs, exp_avg_sqs,
+                         amsgrad ? max_exp_avg_sqs : at::TensorList(),
+                         has_master ? masters : at::TensorList()},
+                        {true, false, true, true, true, true}, "params");
+  std::vector<double> t(packed.index.size());
+  for (size_t j = 0; j < t.size(); ++j) t[j] = steps[packed.index[j]].item<double>() + 1.0;
+  cpu::AdamConfig cfg{float(lr_tensor ? lr_tensor->item<double>() : lr), float(beta1),
+                      float(beta2), float(eps), float(weight_decay), grad_mult, amsgrad,
+                      maximize, decoupled, int32_t(master_mode), uint64_t(seed)};
+  cpu::adam_step(packed.view(), t.data(), cfg, at::get_num_threads());
+  packed.finish();
+  for (const at::Tensor& s : steps) s.add_(1);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mpfused, CPU, m) { m.impl("adam_step_", &adam_step_cpu); }
+
+}  // namespace mpfused::bind

@@ -1,0 +1,95 @@
+#include "adam_cpu.h"
+
+#include <omp.h>
+
+#include "parallel.h"
+
+namespace mpfused::cpu {
+namespace {
+
+template <typename T, int MODE, bool AMSGRAD>
+void adam_chunk(void* const* ops, int64_t begin, int64_t n, const AdamScalars& s, uint64_t seed,
+                int64_t tensor) {
+  T* __restrict p = static_cast<T*>(ops[kParam]) + begin;
+  const T* __restrict g = static_cast<const T*>(ops[kGrad]) + begin;
+  float* __restrict m = static_cast<float*>(ops[kExpAvg]) + begin;
+  float* __restrict v = static_cast<float*>(ops[kExpAvgSq]) + begin;
+  float* __restrict vmax = AMSGRAD ? static_cast<float*>(ops[kMaxExpAvgSq]) + begin : nullptr;
+  float* __restrict master = MODE == kFp32Master ? static_cast<float*>(ops[kMaster]) + begin : nullptr;
+  int16_t* __restrict rem = MODE == kRemainder ? static_cast<int16_t*>(ops[kMaster]) + begin : nullptr;
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    float w;
+    if constexpr (MODE == kFp32Master) w = master[i];
+    else if constexpr (MODE == kRemainder) w = remainder_join(reinterpret_cast<const uint16_t*>(p)[i], rem[i]);
+    else w = to_f32(p[i]);
+    float vm = AMSGRAD ? vmax[i] : 0.f;
+    adam_element<AMSGRAD>(w, to_f32(g[i]), m[i], v[i], vm, s);
+    if (AMSGRAD) vmax[i] = vm;
+    if constexpr (MODE == kFp32Master) {
+      master[i] = w;
+      p[i] = from_f32<T>(w);
+    } else if constexpr (MODE == kRemainder) {
+      uint16_t hi;
+      int16_t lo;
+      remainder_split(w, hi, lo);
+      reinterpret_cast<uint16_t*>(p)[i] = hi;
+      rem[i] = lo;
+    } else if constexpr (MODE == kStochastic) {
+      reinterpret_cast<uint16_t*>(p)[i] =
+          bf16_bits_stochastic(w, random16(seed, uint64_t(tensor), uint64_t(begin + i)));
+    } else {
+      p[i] = from_f32<T>(w);
+    }
+  }
+}
+
+using ChunkFn = void (*)(void* const*, int64_t, int64_t, const AdamScalars&, uint64_t, int64_t);
+
+template <typename T, int MODE>
+ChunkFn pick_ams(bool ams) {
+  return ams ? &adam_chunk<T, MODE, true> : &adam_chunk<T, MODE, false>;
+}
+
+template <typename T>
+ChunkFn pick(int mode, bool ams) {
+  switch (mode) {
+    case kFp32Master: return pick_ams<T, kFp32Master>(ams);
+    case kRemainder: return pick_ams<T, kRemainder>(ams);
+    case kStochastic: return pick_ams<T, kStochastic>(ams);
+    default: return pick_ams<T, kNoMaster>(ams);
+  }
+}
+
+ChunkFn pick_kernel(int32_t dtype, int mode, bool ams) {
+  switch (dtype) {
+    case kFloat32: return pick<float>(kNoMaster, ams);  // fp32 params are their own master
+    case kFloat16: return mode == kFp32Master ? pick<f16_t>(kFp32Master, ams) : pick<f16_t>(kNoMaster, ams);
+    default: return pick<bf16_t>(mode, ams);
+  }
+}
+
+}  // namespace
+
+void adam_step(const TensorLists<6>& t, const double* step, const AdamConfig& c, int num_threads) {
+  const std::vector<Chunk> chunks = make_chunks(t.numel, t.size);
+  std::vector<AdamScalars> scalars(size_t(t.size));
+  std::vector<ChunkFn> kernels(size_t(t.size));
+  std::vector<uint64_t> seeds(size_t(t.size));
+  for (int64_t i = 0; i < t.size; ++i) {
+    scalars[i] = adam_scalars(c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, c.decoupled,
+                              c.maximize, c.grad_mult, step[i]);
+    kernels[i] = pick_kernel(t.dtype[i], c.master_mode, c.amsgrad);
+    seeds[i] = step_seed(c.seed, step[i]);
+  }
+  const int64_t nc = int64_t(chunks.size());
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (nc > 1)
+  for (int64_t k = 0; k < nc; ++k) {
+    const Chunk& ch = chunks[k];
+    void* ops[6];
+    for (int d = 0; d < 6; ++d) ops[d] = t.data[d][ch.tensor];
+    kernels[ch.tensor](ops, ch.begin, ch.end - ch.begin, scalars[ch.tensor], seeds[ch.tensor], ch.tensor);
+  }
+}
+
+}  // namespace mpfused::cpu

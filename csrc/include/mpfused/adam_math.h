@@ -1,0 +1,95 @@
+// Adam/AdamW per-element math shared by every native backend, and the ways a 16-bit parameter
+// keeps (or does not keep) its fp32 value between steps (MasterMode).
+#pragma once
+#include "mpfused/dtype.h"
+
+namespace mpfused {
+
+// How the fp32 value w of a parameter is stored between steps.
+enum MasterMode : int32_t {
+  kNoMaster = 0,    // fp32 params: w is the param. 16-bit params: round to nearest, no master.
+  kFp32Master = 1,  // 16-bit params + fp32 master (4 B/param); param = master rounded to nearest
+  kRemainder = 2,   // bf16 params + int16 low half of the fp32 master (2 B/param), exact
+  kStochastic = 3,  // bf16 params, no master, stochastic rounding of each update
+};
+
+// Scalars of one tensor's update, computed once per tensor (host or device).
+struct AdamScalars {
+  float lr;
+  float beta1, beta2, eps;
+  float decay;       // AdamW: lr*weight_decay (applied to p); Adam: 0
+  float l2;          // Adam: weight_decay (added to g); AdamW: 0
+  float grad_mult;   // inv_scale * clip_coef, negated for maximize
+  float step_size;   // lr / (1 - beta1^t)
+  float bc2_sqrt;    // sqrt(1 - beta2^t)
+};
+
+MPF_HD AdamScalars adam_scalars(float lr, float beta1, float beta2, float eps, float weight_decay,
+                                bool decoupled, bool maximize, float grad_mult, double t) {
+  AdamScalars s;
+  s.lr = lr;
+  s.beta1 = beta1;
+  s.beta2 = beta2;
+  s.eps = eps;
+  s.decay = decoupled ? lr * weight_decay : 0.f;
+  s.l2 = decoupled ? 0.f : weight_decay;
+  s.grad_mult = maximize ? -grad_mult : grad_mult;
+  // Bias corrections in double from the step count, as torch's for-loop implementation.
+  s.step_size = float(double(lr) / (1.0 - pow(double(beta1), t)));
+  s.bc2_sqrt = float(sqrt(1.0 - pow(double(beta2), t)));
+  return s;
+}
+
+// One Adam(W) update of the fp32 value w. torch order: decoupled decay of w, m = lerp(m, g, 1-b1),
+// v = b2*v + (1-b2)*g*g, denom = sqrt(v)/sqrt(1-b2^t) + eps, w -= step_size * m / denom.
+template <bool AMSGRAD>
+MPF_HD void adam_element(float& w, float g, float& m, float& v, float& vmax, const AdamScalars& s) {
+  g = g * s.grad_mult + s.l2 * w;
+  w = w - s.decay * w;
+  m = m + (1.f - s.beta1) * (g - m);
+  v = s.beta2 * v + (1.f - s.beta2) * (g * g);
+  float vv = v;
+  if (AMSGRAD) {
+    vmax = max_f32(vmax, v);
+    vv = vmax;
+  }
+  const float denom = sqrtf(vv) / s.bc2_sqrt + s.eps;
+  w = w - s.step_size * m / denom;
+}
+
+// Remainder master (TransformerEngine's trick): the fp32 word is [hi16 | lo16]; the bf16 param
+// holds hi16 rounded to nearest (ties away from zero), the int16 remainder holds lo16.
+MPF_HD float remainder_join(uint16_t p_bits, int16_t rem) {
+  const uint32_t hi = rem < 0 ? uint32_t(uint16_t(p_bits - 1)) : uint32_t(p_bits);
+  return bits_f32((hi << 16) | uint32_t(uint16_t(rem)));
+}
+
+MPF_HD void remainder_split(float w, uint16_t& p_bits, int16_t& rem) {
+  const uint32_t u = f32_bits(w);
+  rem = int16_t(uint16_t(u & 0xFFFFu));
+  p_bits = uint16_t((u >> 16) + (rem < 0 ? 1u : 0u));
+}
+
+// Counter-based random 16 bits (a splitmix64 finalizer): the same stream on every backend for the
+// same (seed, tensor, element), so stochastic rounding is reproducible and backend-independent.
+MPF_HD uint32_t random16(uint64_t seed, uint64_t tensor, uint64_t index) {
+  uint64_t z = seed + 0x9E3779B97F4A7C15ull * (tensor + 1) + index * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z = z ^ (z >> 31);
+  return uint32_t(z >> 48);
+}
+
+// The stream of step t: a fresh draw every step without any host-side counter (capturable).
+MPF_HD uint64_t step_seed(uint64_t seed, double t) {
+  return seed ^ (uint64_t(t) * 0xD1B54A32D192ED03ull);
+}
+
+// bf16 stochastic rounding: round away from zero with probability lo16 / 2^16.
+MPF_HD uint16_t bf16_bits_stochastic(float w, uint32_t r16) {
+  const uint32_t u = f32_bits(w);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t(0x7FC0);
+  return uint16_t((u + r16) >> 16);
+}
+
+}  // namespace mpfused

@@ -1,0 +1,125 @@
+"""Reference Adam/AdamW step (float64 math, results stored in each tensor's dtype)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC = 0, 1, 2, 3
+_M64 = (1 << 64) - 1
+
+
+def _u64(x: int) -> int:
+    return x & _M64
+
+
+def _to_signed(x: int) -> int:
+    return x - (1 << 64) if x >> 63 else x
+
+
+def random16(seed: int, tensor: int, index: torch.Tensor) -> torch.Tensor:
+    """csrc/include/mpfused/adam_math.h::random16 on int64 tensors (wrapping arithmetic)."""
+    base = _to_signed(_u64(seed + 0x9E3779B97F4A7C15 * (tensor + 1)))
+    z = index.to(torch.int64) * _to_signed(0xBF58476D1CE4E5B9) + base
+
+    def lshr(x, k):  # logical shift right of a uint64 held in int64
+        return (x >> k) & ((1 << (64 - k)) - 1)
+
+    z = (z ^ lshr(z, 30)) * _to_signed(0xBF58476D1CE4E5B9)
+    z = (z ^ lshr(z, 27)) * _to_signed(0x94D049BB133111EB)
+    z = z ^ lshr(z, 31)
+    return lshr(z, 48)
+
+
+def step_seed(seed: int, t: float) -> int:
+    return _u64(seed ^ _u64(int(t) * 0xD1B54A32D192ED03))
+
+
+def remainder_split(w32: torch.Tensor):
+    """fp32 -> (bf16 param, int16 remainder): hi16 rounded to nearest, ties away from zero."""
+    bits = w32.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    lo = bits & 0xFFFF
+    hi = ((bits >> 16) + (lo >= 0x8000).to(torch.int64)) & 0xFFFF
+    p = (hi - (hi >= 0x8000).to(torch.int64) * 0x10000).to(torch.int16).view(torch.bfloat16)
+    rem = (lo - (lo >= 0x8000).to(torch.int64) * 0x10000).to(torch.int16)
+    return p, rem
+
+
+def remainder_join(p: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
+    hi = p.view(torch.int16).to(torch.int64) & 0xFFFF
+    hi = (hi - (rem < 0).to(torch.int64)) & 0xFFFF
+    bits = (hi << 16) | (rem.to(torch.int64) & 0xFFFF)
+    return (bits - (bits >= 0x80000000).to(torch.int64) * (1 << 32)).to(torch.int32).view(torch.float32)
+
+
+def bf16_stochastic(w32: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
+    bits = w32.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    hi = ((bits + r16) >> 16) & 0xFFFF
+    out = (hi - (hi >= 0x8000).to(torch.int64) * 0x10000).to(torch.int16).view(torch.bfloat16)
+    return torch.where(torch.isnan(w32), torch.full_like(out, float("nan")), out)
+
+
+def grad_multiplier(grad_scale, norm_sq, max_grad_norm) -> float:
+    """inv_scale (an fp32 reciprocal, as the kernels) times the clip coefficient."""
+    mult = 1.0
+    if grad_scale is not None:
+        mult = torch.reciprocal(grad_scale.float().reshape(())).item()
+    if norm_sq is not None and max_grad_norm > 0:
+        norm = math.sqrt(norm_sq.item())
+        mult = torch.tensor(mult * min(1.0, max_grad_norm / (norm + 1e-6)), dtype=torch.float32).item()
+    return mult
+
+
+def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, lr,
+               lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled,
+               master_mode, grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0,
+               seed=0):
+    if not params or (found_inf is not None and found_inf.item() > 0):
+        return
+    lr = float(lr_tensor.item()) if lr_tensor is not None else float(lr)
+    mult = grad_multiplier(grad_scale, norm_sq, max_grad_norm)
+    if maximize:
+        mult = -mult
+    slot = -1  # position among non-empty tensors: the kernels' tensor index for the random stream
+    for i, p in enumerate(params):
+        t = steps[i].item() + 1
+        steps[i].add_(1)
+        if p.numel() == 0:
+            continue
+        slot += 1
+        mode = master_mode if p.dtype != torch.float32 else MASTER_NONE
+        if mode == MASTER_FP32:
+            w = masters[i].double()
+        elif mode == MASTER_REMAINDER:
+            w = remainder_join(p, masters[i]).double()
+        else:
+            w = p.double()
+        g = grads[i].double() * mult
+        if not decoupled:
+            g = g + weight_decay * w
+        else:
+            w = w * (1 - lr * weight_decay)
+        m = exp_avgs[i].double()
+        m = m + (1 - beta1) * (g - m)
+        v = beta2 * exp_avg_sqs[i].double() + (1 - beta2) * g * g
+        vv = v
+        if amsgrad:
+            vv = torch.maximum(max_exp_avg_sqs[i].double(), v)
+            max_exp_avg_sqs[i].copy_(vv)
+        denom = vv.sqrt() / math.sqrt(1 - beta2**t) + eps
+        w = w - (lr / (1 - beta1**t)) * m / denom
+        exp_avgs[i].copy_(m)
+        exp_avg_sqs[i].copy_(v)
+        w32 = w.float()
+        if mode == MASTER_FP32:
+            masters[i].copy_(w32)
+            p.copy_(w32)
+        elif mode == MASTER_REMAINDER:
+            hi, rem = remainder_split(w32.contiguous())
+            p.copy_(hi)
+            masters[i].copy_(rem)
+        elif mode == MASTER_STOCHASTIC:
+            idx = torch.arange(p.numel(), device=p.device).reshape(p.shape)
+            p.copy_(bf16_stochastic(w32, random16(step_seed(seed, t), slot, idx)))
+        else:
+            p.copy_(w32)
