@@ -1,0 +1,39 @@
+"""Test setup. TRITON_INTERPRET must be set before anything imports triton kernels (the interpreter
+is chosen when @triton.jit decorates), so Triton kernels run on CPU tensors here."""
+import os
+
+if not os.environ.get("MPFUSED_TEST_TRITON_COMPILED"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import mpfused  # noqa: E402,F401
+from mpfused.ops import OPS  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+DEVICES = ["cpu"] + (["cuda"] if CUDA else [])
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def backends_for(op_name: str, device: str) -> list[str]:
+    """Every backend of an op that can run on `device` here."""
+    return OPS[op_name].available(device)
+
+
+def pytest_generate_tests(metafunc):
+    # Tests taking (device, backend) run for every available backend of the op they name in
+    # `OP_UNDER_TEST` (module-level constant).
+    if {"device", "backend"} <= set(metafunc.fixturenames):
+        op = getattr(metafunc.module, "OP_UNDER_TEST")
+        params = [(d, b) for d in DEVICES for b in backends_for(op, d)]
+        metafunc.parametrize("device,backend", params, ids=[f"{d}-{b}" for d, b in params])
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed(request):
+    # Fresh random inputs each run, but reproducible from the printed seed on failure.
+    seed = int.from_bytes(os.urandom(4), "little")
+    torch.manual_seed(seed)
+    request.node.user_properties.append(("seed", seed))
+    yield

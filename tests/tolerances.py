@@ -1,0 +1,21 @@
+"""Tolerances by dtype, stated once. Kernels compute in fp32 and are compared with the float64
+reference; a 16-bit result may differ by one unit in the last place (double rounding)."""
+import torch
+
+# (rtol, atol) for a single application of an op, per storage dtype.
+OP_TOL = {
+    torch.float32: (1e-6, 1e-6),
+    torch.float16: (1e-3, 1e-5),    # 1 fp16 ulp is 2^-10 relative
+    torch.bfloat16: (8e-3, 1e-5),   # 1 bf16 ulp is 2^-7 relative
+}
+# fp32 optimizer trajectories over tens of steps (rounding accumulates in fp32).
+TRAJ_TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+def assert_close(actual, expected, dtype=None, **kw):
+    dtype = dtype or expected.dtype
+    rtol, atol = OP_TOL.get(dtype, OP_TOL[torch.float32])
+    kw.setdefault("rtol", rtol)
+    kw.setdefault("atol", atol)
+    # NaN never passes: equal_nan stays False.
+    torch.testing.assert_close(actual.double(), expected.double(), equal_nan=False, **kw)
