@@ -1,7 +1,11 @@
 """mpfused: fused mixed-precision training kernels for PyTorch.
 
-Drop-ins: ``mpfused.GradScaler`` for ``torch.amp.GradScaler`` and ``mpfused.AdamW`` for
-``torch.optim.AdamW`` (fp16/bf16 params with fp32 master weights)."""
+Drop-ins: ``mpfused.GradScaler`` for ``torch.amp.GradScaler``, ``mpfused.AdamW`` / ``mpfused.Adam``
+for ``torch.optim.AdamW`` / ``Adam`` (fp16/bf16 params with fp32 master weights)."""
 from mpfused import ops  # noqa: F401  (defines the ops and loads the extension)
+from mpfused.clip_grad import clip_grad_norm_
+from mpfused.grad_scaler import GradScaler
+from mpfused.optim import Adam, AdamW
 
+__all__ = ["GradScaler", "AdamW", "Adam", "clip_grad_norm_"]
 __version__ = "0.1.0"

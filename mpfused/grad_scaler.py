@@ -1,0 +1,251 @@
+"""``mpfused.GradScaler``: a drop-in for ``torch.amp.GradScaler`` backed by the fused multi-tensor
+check/unscale kernels.
+
+It subclasses the torch class, so the constructor, defaults, methods, errors, per-optimizer state
+machine, private surface (``_scale``, ``_growth_tracker``, ``_per_optimizer_states``, ...) and the
+5-key ``state_dict`` are torch's own; a checkpoint written by either loads into the other. What
+changes:
+
+* grads of all dtypes on a device (fp32/fp16/bf16, any dense layout) are checked and unscaled in
+  one fused call (torch's CUDA kernel rejects bf16 and makes one call per dtype);
+* with an optimizer that unscales in its own kernel (``_step_supports_amp_scaling``, set by
+  mpfused optimizers) ``step`` runs a read-only check pass (torch's writes every grad back) that
+  also yields the grad norm when the optimizer asks for fused clipping (``max_grad_norm``);
+  no host sync on that path. With any other optimizer ``step`` keeps torch's behaviour, which
+  reads found_inf on the host (one sync per step);
+* found_inf from several devices or optimizers is combined with MAX, never SUM, so it is 0 or 1;
+* ``update`` is one small device op; opt-in extras: ``hysteresis`` (back off only after N
+  consecutive overflows, as DeepSpeed/Megatron), ``min_scale`` and ``max_scale``;
+* with ``process_group=`` (or DTensor grads) found_inf is all-reduced with MAX so every rank
+  skips together.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
+
+from mpfused.ops import amp as amp_ops
+
+__all__ = ["GradScaler", "OptState"]
+
+
+class GradScaler(torch.amp.GradScaler):
+    def __init__(self, device: str = "cuda", init_scale: float = 2.0**16,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True, *, hysteresis: int = 1,
+                 min_scale: float | None = None, max_scale: float | None = None,
+                 process_group=None, backend: str | None = None) -> None:
+        super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
+                         backoff_factor=backoff_factor, growth_interval=growth_interval,
+                         enabled=enabled)
+        if not isinstance(hysteresis, int) or hysteresis < 1:
+            raise ValueError(f"hysteresis must be an int >= 1 (1 = off), got {hysteresis!r}")
+        if min_scale is not None and not (min_scale > 0 and math.isfinite(min_scale)):
+            raise ValueError(f"min_scale must be a finite number > 0, got {min_scale!r}")
+        if max_scale is not None and not max_scale > 0:
+            raise ValueError(f"max_scale must be > 0, got {max_scale!r}")
+        if min_scale is not None and max_scale is not None and min_scale > max_scale:
+            raise ValueError(f"min_scale ({min_scale}) must be <= max_scale ({max_scale})")
+        self._hysteresis = hysteresis
+        self._min_scale = min_scale
+        self._max_scale = max_scale
+        self._init_hysteresis_tracker = hysteresis
+        self._hysteresis_tracker: torch.Tensor | None = None
+        self._process_group = process_group
+        self._backend = backend
+
+    # ---- lazy state -------------------------------------------------------------------------
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device) -> None:
+        super()._lazy_init_scale_growth_tracker(dev)
+        self._hysteresis_tracker = torch.full((), self._init_hysteresis_tracker, dtype=torch.int32,
+                                              device=dev)
+
+    # ---- the fused check --------------------------------------------------------------------
+    def _grads_by_device(self, optimizer, allow_fp16: bool) -> dict[torch.device, list]:
+        by_device: dict[torch.device, list] = defaultdict(list)
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                grad = param.grad
+                if grad is None:
+                    continue
+                if not allow_fp16 and grad.dtype == torch.float16:
+                    raise ValueError("Attempting to unscale FP16 gradients.")
+                if grad.is_sparse:
+                    # Duplicate indices of a scaled fp16 grad can overflow when summed: check the
+                    # coalesced values (as torch does).
+                    if grad.dtype is torch.float16:
+                        param.grad = grad = grad.coalesce()
+                    grad = grad._values()
+                elif hasattr(grad, "to_local"):  # DTensor: the kernel runs on the local shard
+                    grad = grad.to_local()
+                by_device[grad.device].append(grad)
+        return by_device
+
+    def _fused_check(self, optimizer, inv_scale, found_inf, *, write_back: bool,
+                     allow_fp16: bool, norm_sq: torch.Tensor | None = None):
+        """found_inf (and norm_sq of the unscaled grads) per device; all-reduced when asked."""
+        per_device: dict[torch.device, torch.Tensor] = {}
+        op = amp_ops.unscale_grads_ if write_back else amp_ops.check_grads
+        with torch.no_grad():
+            for device, grads in self._grads_by_device(optimizer, allow_fp16).items():
+                dev_found = torch.zeros((), dtype=torch.float32, device=device)
+                dev_inv = inv_scale.to(device, non_blocking=True)
+                dev_norm = None
+                if norm_sq is not None:
+                    dev_norm = torch.zeros((), dtype=torch.float32, device=device)
+                op(grads, dev_found, dev_inv, dev_norm, None, backend=self._backend)
+                if norm_sq is not None:
+                    norm_sq += dev_norm.to(norm_sq.device, non_blocking=True)
+                per_device[device] = dev_found
+        self._all_reduce_found_inf(optimizer, per_device)
+        return per_device
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        return self._fused_check(optimizer, inv_scale, found_inf, write_back=True,
+                                 allow_fp16=allow_fp16)
+
+    def _check_inf_per_device(self, optimizer):
+        # Read-only: the optimizer unscales in registers; also yields the clipping norm.
+        scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
+        state = self._per_optimizer_states[id(optimizer)]
+        norm_sq = None
+        if getattr(optimizer, "max_grad_norm", None):
+            norm_sq = torch.zeros((), dtype=torch.float32, device=scale.device)
+        inv_scale = scale.double().reciprocal().float()
+        state["found_inf_per_device"] = self._fused_check(
+            optimizer, inv_scale, None, write_back=False, allow_fp16=True, norm_sq=norm_sq)
+        state["norm_sq"] = norm_sq
+        return state["found_inf_per_device"]
+
+    def _all_reduce_found_inf(self, optimizer, per_device) -> None:
+        group = self._process_group
+        if group is None:
+            group = _dtensor_group(optimizer)
+        if group is None:
+            return
+        import torch.distributed as dist
+
+        for t in per_device.values():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+
+    # ---- step / update ----------------------------------------------------------------------
+    def step(self, optimizer, *args, **kwargs):
+        if not self._enabled or not getattr(optimizer, "_step_supports_amp_scaling", False):
+            return super().step(optimizer, *args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if "grad_scaler" in _step_params(optimizer):
+            return super().step(optimizer, *args, **kwargs)  # legacy protocol: torch's path
+        if state["stage"] is OptState.READY:
+            self._check_inf_per_device(optimizer)
+        if len(state["found_inf_per_device"]) == 0:
+            raise AssertionError("No inf checks were recorded for this optimizer.")
+        scale = self._get_scale_async()
+        found_inf = _max_on(state["found_inf_per_device"].values(), scale.device)
+        optimizer.grad_scale = (None if state["stage"] is OptState.UNSCALED
+                                else scale * getattr(optimizer, "grad_scale", 1))
+        optimizer.found_inf = found_inf
+        optimizer.grad_norm_sq = state.get("norm_sq")
+        try:
+            retval = optimizer.step(*args, **kwargs)
+        finally:
+            del optimizer.grad_scale, optimizer.found_inf, optimizer.grad_norm_sq
+        state["stage"] = OptState.STEPPED
+        return retval
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        if not self._enabled:
+            return
+        if new_scale is not None:
+            return super().update(new_scale)
+        scale, growth_tracker = self._check_scale_growth_tracker("update")
+        found_infs = [t for s in self._per_optimizer_states.values()
+                      for t in s["found_inf_per_device"].values()]
+        if len(found_infs) == 0:
+            raise AssertionError("No inf checks were recorded prior to update.")
+        amp_ops.update_scale_(
+            scale, growth_tracker, self._hysteresis_tracker, _max_on(found_infs, scale.device),
+            float(self._growth_factor), float(self._backoff_factor), int(self._growth_interval),
+            int(self._hysteresis), float(self._min_scale or 0.0),
+            float(self._max_scale if self._max_scale is not None else math.inf),
+            backend=self._backend)
+        self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+
+    # ---- extras in checkpoints (only when used: defaults give torch's exact 5 keys) ---------
+    def _extras_used(self) -> bool:
+        return self._hysteresis != 1 or self._min_scale is not None or self._max_scale is not None
+
+    def state_dict(self):
+        sd = super().state_dict()
+        if self._enabled and self._extras_used():
+            sd.update(hysteresis=self._hysteresis, min_scale=self._min_scale,
+                      max_scale=self._max_scale,
+                      _hysteresis_tracker=(self._init_hysteresis_tracker
+                                           if self._hysteresis_tracker is None
+                                           else int(self._hysteresis_tracker.item())))
+        return sd
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        if "hysteresis" in state_dict:
+            self._hysteresis = int(state_dict["hysteresis"])
+            self._min_scale = state_dict.get("min_scale")
+            self._max_scale = state_dict.get("max_scale")
+        tracker = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
+        self._init_hysteresis_tracker = tracker
+        if self._hysteresis_tracker is not None:
+            self._hysteresis_tracker.fill_(tracker)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        if self._enabled:
+            if self._hysteresis_tracker is not None:
+                state["_init_hysteresis_tracker"] = int(self._hysteresis_tracker.item())
+            state["_hysteresis_tracker"] = None
+        return state
+
+    # getters/setters for the extras, in the style of torch's
+    def get_hysteresis(self) -> int:
+        return self._hysteresis
+
+    def get_min_scale(self) -> float | None:
+        return self._min_scale
+
+    def get_max_scale(self) -> float | None:
+        return self._max_scale
+
+
+def _max_on(tensors, device) -> torch.Tensor:
+    """found_inf values combined with MAX on `device` (a SUM could exceed 1: hazard H1)."""
+    out = None
+    for t in tensors:
+        t = t.to(device, non_blocking=True)
+        out = t.clone() if out is None else torch.maximum(out, t)
+    return out
+
+
+def _step_params(optimizer):
+    import inspect
+
+    try:
+        return inspect.signature(optimizer.step).parameters
+    except (TypeError, ValueError):
+        return {}
+
+
+def _dtensor_group(optimizer):
+    """The process group to reduce found_inf over when the grads are DTensors (FSDP2)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            g = p.grad
+            if g is not None and hasattr(g, "device_mesh"):
+                mesh = g.device_mesh
+                return mesh.get_group() if mesh.ndim == 1 else None
+    return None

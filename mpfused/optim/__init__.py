@@ -1,0 +1,1 @@
+from mpfused.optim.adamw import Adam, AdamW  # noqa: F401

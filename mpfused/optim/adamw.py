@@ -1,0 +1,247 @@
+"""``mpfused.AdamW`` and ``mpfused.Adam``: drop-ins for ``torch.optim.AdamW`` / ``torch.optim.Adam``
+that train fp32, fp16 or bf16 parameters with one fused multi-tensor kernel per (device, dtype).
+
+fp16/bf16 parameters keep their fp32 value in ``optimizer.state[p]`` (checkpointed with it):
+
+* ``master_weights="fp32"`` (default): ``state["master"]`` fp32 (4 B/param); the param is the
+  master rounded to nearest after every step.
+* ``master_weights="remainder"`` (bf16 only): ``state["master_remainder"]`` int16 low half of
+  the fp32 master (2 B/param); exact, but the optimizer must be the only writer of the params.
+* ``master_weights="none"``: no master; bf16 params use stochastic rounding, fp16 params round
+  to nearest.
+
+Moments are fp32 for every param dtype. With a GradScaler (mpfused's or torch's) the kernel reads
+``grad_scale`` and ``found_inf`` on device: grads are unscaled in registers (not written back)
+and a step with found_inf > 0 changes nothing (params, masters, moments, step counters).
+``max_grad_norm=`` fuses gradient clipping into the same kernel.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.optimizer import Optimizer
+
+from mpfused.ops import adam as adam_ops
+from mpfused.ops import amp as amp_ops
+from mpfused.optim._buckets import GroupPlan, build_buckets, plan_key
+
+__all__ = ["AdamW", "Adam", "MASTER_MODES"]
+
+MASTER_MODES = {"none": 0, "fp32": 1, "remainder": 2}
+_STOCHASTIC = 3
+_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def _check_hyper(name: str, value, low: float, high: float = math.inf, low_open=False):
+    v = value.item() if isinstance(value, torch.Tensor) else value
+    ok = math.isfinite(v) and (v > low if low_open else v >= low) and v < high
+    if not ok:
+        raise ValueError(f"Invalid {name}: {v}")
+
+
+class AdamW(Optimizer):
+    _step_supports_amp_scaling = True
+    _decoupled = True
+
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
+                 maximize: bool = False, capturable: bool = False,
+                 master_weights: str = "fp32", max_grad_norm: float | None = None,
+                 backend: str | None = None, seed: int = 0, foreach=None, fused=None,
+                 differentiable: bool = False):
+        _check_hyper("learning rate", lr, 0.0)
+        _check_hyper("epsilon value", eps, 0.0)
+        _check_hyper("beta parameter at index 0", betas[0], 0.0, 1.0)
+        _check_hyper("beta parameter at index 1", betas[1], 0.0, 1.0)
+        _check_hyper("weight_decay value", weight_decay, 0.0)
+        if master_weights not in MASTER_MODES:
+            raise ValueError(f"master_weights must be one of {sorted(MASTER_MODES)}, got "
+                             f"{master_weights!r}")
+        if max_grad_norm is not None:
+            _check_hyper("max_grad_norm", max_grad_norm, 0.0, low_open=True)
+        if differentiable:
+            raise RuntimeError("mpfused optimizers do not support `differentiable`")
+        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+            raise ValueError("Tensor lr must be 1-element")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        maximize=maximize, capturable=capturable, master_weights=master_weights,
+                        foreach=foreach, fused=fused, differentiable=False)
+        super().__init__(params, defaults)
+        self.max_grad_norm = max_grad_norm
+        self._backend = backend
+        self._seed = int(seed)
+        self._plans: dict[int, GroupPlan] = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.is_complex() or not p.is_floating_point() or p.dtype == torch.float64:
+                    raise ValueError(
+                        f"mpfused.{type(self).__name__}: params must be float32, float16 or "
+                        f"bfloat16 real tensors, got {p.dtype}")
+        self.register_load_state_dict_pre_hook(_stash_fp32_state)
+        self.register_load_state_dict_post_hook(_restore_fp32_state)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._plans = {}
+        for group in self.param_groups:
+            group.setdefault("amsgrad", False)
+            group.setdefault("maximize", False)
+            group.setdefault("capturable", False)
+            group.setdefault("master_weights", "fp32")
+
+    # ---- state ------------------------------------------------------------------------------
+    def _master_mode(self, group, p) -> int:
+        if p.dtype == torch.float32:
+            return MASTER_MODES["none"]
+        mode = group["master_weights"]
+        if mode == "remainder" and p.dtype != torch.bfloat16:
+            raise ValueError(f"master_weights='remainder' needs bfloat16 params, got {p.dtype} "
+                             "(fp16 is not the top half of fp32)")
+        if mode == "none":
+            return _STOCHASTIC if p.dtype == torch.bfloat16 else MASTER_MODES["none"]
+        return MASTER_MODES[mode]
+
+    def _init_state(self, group, p) -> None:
+        state = self.state[p]
+        if len(state) != 0:
+            return
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        for key in _MOMENT_KEYS[: 3 if group["amsgrad"] else 2]:
+            state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        mode = self._master_mode(group, p)
+        if mode == MASTER_MODES["fp32"]:
+            state["master"] = p.detach().float()
+        elif mode == MASTER_MODES["remainder"]:
+            state["master_remainder"] = torch.zeros_like(p, dtype=torch.int16,
+                                                         memory_format=torch.preserve_format)
+
+    def _plan(self, index: int, group, grads) -> GroupPlan:
+        params = group["params"]
+        key = plan_key(params, grads, (group["amsgrad"], group["master_weights"]))
+        plan = self._plans.get(index)
+        if plan is not None and plan.key == key:
+            return plan
+        buckets = build_buckets(params, grads)
+        for b in buckets:
+            for p in b.params:
+                self._init_state(group, p)
+            st = [self.state[p] for p in b.params]
+            mode = self._master_mode(group, b.params[0])
+            b.state = {
+                "steps": [s["step"] for s in st],
+                "exp_avgs": [_local(s["exp_avg"]) for s in st],
+                "exp_avg_sqs": [_local(s["exp_avg_sq"]) for s in st],
+                "max_exp_avg_sqs": [_local(s["max_exp_avg_sq"]) for s in st] if group["amsgrad"] else [],
+                "masters": ([_local(s["master"]) for s in st] if mode == 1 else
+                            [_local(s["master_remainder"]) for s in st] if mode == 2 else []),
+                "mode": mode,
+                "local_params": [_local(p) for p in b.params],
+            }
+        plan = GroupPlan(key=key, buckets=buckets)
+        self._plans[index] = plan
+        return plan
+
+    # ---- step -------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        self._cuda_graph_capture_health_check()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        norm_sq = getattr(self, "grad_norm_sq", None)
+        all_grads = [[p.grad for p in g["params"]] for g in self.param_groups]
+        if self.max_grad_norm and norm_sq is None:
+            norm_sq, found_inf = self._own_norm(all_grads, grad_scale, found_inf)
+        for index, group in enumerate(self.param_groups):
+            grads = all_grads[index]
+            plan = self._plan(index, group, grads)
+            beta1, beta2 = group["betas"]
+            lr = group["lr"]
+            lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+            for b in plan.buckets:
+                dev = b.state["local_params"][0].device
+                adam_ops.adam_step_(
+                    b.state["local_params"], [_local(grads[i]) for i in b.indices],
+                    b.state["exp_avgs"], b.state["exp_avg_sqs"], b.state["max_exp_avg_sqs"],
+                    b.state["masters"], b.state["steps"],
+                    0.0 if lr_tensor is not None else float(lr),
+                    None if lr_tensor is None else lr_tensor.to(dev, non_blocking=True),
+                    float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
+                    bool(group["amsgrad"]), bool(group["maximize"]), self._decoupled,
+                    b.state["mode"], _on(grad_scale, dev), _on(found_inf, dev), _on(norm_sq, dev),
+                    float(self.max_grad_norm or 0.0), self._seed, backend=self._backend)
+        return loss
+
+    def _own_norm(self, all_grads, grad_scale, found_inf):
+        """Fused clipping without a scaler: one read-only pass for the norm (and non-finites)."""
+        grads = [g for gs in all_grads for g in gs if g is not None]
+        if not grads:
+            return None, found_inf
+        dev = grads[0].device
+        norm_sq = torch.zeros((), dtype=torch.float32, device=dev)
+        own_found = torch.zeros((), dtype=torch.float32, device=dev)
+        inv = (torch.ones((), device=dev) if grad_scale is None
+               else grad_scale.to(dev).double().reciprocal().float())
+        amp_ops.check_grads([_local(g) for g in grads], own_found, inv, norm_sq, None,
+                            backend=self._backend)
+        if found_inf is not None:
+            own_found = torch.maximum(own_found, found_inf.to(dev))
+        return norm_sq, own_found
+
+
+class Adam(AdamW):
+    """``torch.optim.Adam`` semantics: L2 weight decay added to the gradient, default 0."""
+    _decoupled = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, **kwargs):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+def _local(t):
+    """The local shard of a DTensor (FSDP2), or the tensor itself."""
+    return t.to_local() if t is not None and hasattr(t, "to_local") else t
+
+
+def _on(t, device):
+    return None if t is None else t.to(device, non_blocking=True)
+
+
+# ---- state_dict: keep fp32 state fp32 --------------------------------------------------------
+# torch's load_state_dict casts every floating state tensor to the param's dtype (and an int16
+# remainder to bf16!). The pre-hook keeps the saved tensors aside; the post-hook puts them back
+# with their own dtype on the param's device, converting a torch.optim.AdamW state on the way.
+def _stash_fp32_state(optimizer, state_dict):
+    optimizer._loading = (state_dict["param_groups"], state_dict["state"])
+    return state_dict
+
+
+def _restore_fp32_state(optimizer):
+    saved_groups, saved_state = optimizer.__dict__.pop("_loading")
+    optimizer._plans = {}
+    ids = (i for g in saved_groups for i in g["params"])
+    params = (p for g in optimizer.param_groups for p in g["params"])
+    for pid, p in zip(ids, params):
+        if pid not in saved_state:
+            continue
+        saved, state = saved_state[pid], optimizer.state[p]
+        group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+        local = _local(p)
+        for key, value in saved.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            if key == "step":
+                state[key] = value.to(device=local.device, dtype=torch.float32).reshape(())
+            elif key == "master_remainder":
+                state[key] = value.to(device=local.device, dtype=torch.int16)
+            else:
+                state[key] = value.to(device=local.device, dtype=torch.float32)
+        mode = optimizer._master_mode(group, p)
+        if mode == MASTER_MODES["fp32"] and "master" not in state:
+            state["master"] = local.detach().float()  # from a torch checkpoint: the param's value
+        if mode == MASTER_MODES["remainder"] and "master_remainder" not in state:
+            state["master_remainder"] = torch.zeros_like(local, dtype=torch.int16)
