@@ -8,7 +8,7 @@ namespace mpfused::cpu {
 namespace {
 
 template <typename T, int MODE, bool AMSGRAD>
-void adam_chunk(void* const* ops, int64_t begin, int64_t n, const AdamScalars& s, uint64_t seed,
+MPF_CPU_MULTIVERSION void adam_chunk(void* const* ops, int64_t begin, int64_t n, const AdamScalars& s, uint64_t seed,
                 int64_t tensor) {
   T* __restrict p = static_cast<T*>(ops[kParam]) + begin;
   const T* __restrict g = static_cast<const T*>(ops[kGrad]) + begin;

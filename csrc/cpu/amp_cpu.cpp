@@ -10,7 +10,7 @@ namespace {
 constexpr int kLanes = 16;  // independent accumulators: lets the compiler vectorize the reduction
 
 template <typename T, bool WRITE, bool NORM>
-void check_chunk(T* __restrict x, int64_t n, float inv_scale, uint32_t& bad, double& sumsq) {
+MPF_CPU_MULTIVERSION void check_chunk(T* __restrict x, int64_t n, float inv_scale, uint32_t& bad, double& sumsq) {
   uint32_t b = 0;
   float acc[kLanes] = {};
   int64_t i = 0;

@@ -5,6 +5,15 @@
 #include <stdint.h>
 #include <vector>
 
+// Per-ISA clones of the hot loops (AVX-512, AVX2+FMA, baseline), picked once at load time by
+// the dynamic loader (ifunc): one binary that is fast everywhere without -march=native.
+#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
+#define MPF_CPU_MULTIVERSION \
+  __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define MPF_CPU_MULTIVERSION
+#endif
+
 namespace mpfused::cpu {
 
 struct Chunk {
