@@ -49,6 +49,7 @@ struct PackedLists {
   std::vector<int32_t> dtype;
   std::vector<int64_t> index;  // position of each packed tensor in the caller's lists
   std::vector<std::pair<at::Tensor, at::Tensor>> writeback;  // (original, staged copy)
+  std::vector<at::Tensor> staged_inputs;  // read-only staged copies, alive until the kernel ran
 
   PackedLists(const std::array<at::TensorList, DEPTH>& lists, std::array<bool, DEPTH> mutated,
               const char* what, bool require_logical_order = false) {
@@ -87,6 +88,7 @@ struct PackedLists {
         if (!direct) {
           at::Tensor staged = t.contiguous();
           if (mutated[k] && !staged.is_same(t)) writeback.emplace_back(t, staged);
+          else if (!staged.is_same(t)) staged_inputs.push_back(staged);
           t = staged;
         }
         ptrs[k].push_back(t.data_ptr());

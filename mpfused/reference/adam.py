@@ -80,6 +80,10 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, s
     mult = grad_multiplier(grad_scale, norm_sq, max_grad_norm)
     if maximize:
         mult = -mult
+    for i, g in enumerate(grads):
+        if g is not None and g.layout != torch.strided:
+            raise RuntimeError(f"mpfused: grads[{i}] is sparse; mpfused optimizers support dense "
+                               "gradients only")
     slot = -1  # position among non-empty tensors: the kernels' tensor index for the random stream
     for i, p in enumerate(params):
         t = steps[i].item() + 1

@@ -11,6 +11,9 @@ def _check(grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor, write_back)
     total = torch.zeros((), dtype=torch.float64, device=found_inf.device)
     bad = torch.zeros((), dtype=torch.bool, device=found_inf.device)
     for i, g in enumerate(grads):
+        if g.layout != torch.strided:
+            raise RuntimeError(f"mpfused: grads[{i}] must be a dense (strided) tensor; sparse "
+                               "tensors are not supported (check grad._values() instead)")
         if g.numel() == 0:
             continue
         g64 = g.double()

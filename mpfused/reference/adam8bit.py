@@ -1,0 +1,70 @@
+"""Reference Adam/AdamW step with block-wise 8-bit moments: dequantize (float32 products), update in
+float64, round the new moments to float32, take their block absmax and requantize them
+(mpfused/quant_maps.py codec). The kernels do the update in float32, so a code may differ where a
+moment lies within rounding of a decision threshold."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mpfused.quant_maps import dequantize_blockwise, quantize_blockwise
+from mpfused.reference.adam import (MASTER_FP32, MASTER_NONE, MASTER_REMAINDER, MASTER_STOCHASTIC,
+                                    bf16_stochastic, grad_multiplier, random16, remainder_join,
+                                    remainder_split, step_seed)
+
+
+def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters, steps,
+                   qmap1, qmap2, block_size, lr, lr_tensor, beta1, beta2, eps, weight_decay,
+                   maximize, decoupled, master_mode, grad_scale=None, found_inf=None,
+                   norm_sq=None, max_grad_norm=0.0, seed=0):
+    if not params or (found_inf is not None and found_inf.item() > 0):
+        return
+    lr = float(lr_tensor.item()) if lr_tensor is not None else float(lr)
+    mult = grad_multiplier(grad_scale, norm_sq, max_grad_norm)
+    if maximize:
+        mult = -mult
+    slot = -1  # position among non-empty tensors: the kernels' tensor index for the random stream
+    for i, p in enumerate(params):
+        t = steps[i].item() + 1
+        steps[i].add_(1)
+        if p.numel() == 0:
+            continue
+        slot += 1
+        mode = master_mode if p.dtype != torch.float32 else MASTER_NONE
+        if mode == MASTER_FP32:
+            w = masters[i].double()
+        elif mode == MASTER_REMAINDER:
+            w = remainder_join(p, masters[i]).double()
+        else:
+            w = p.double()
+        g = grads[i].double() * mult
+        if decoupled:
+            w = w * (1 - lr * weight_decay)
+        else:
+            g = g + weight_decay * w
+        m = dequantize_blockwise(exp_avgs[i], absmax1s[i], qmap1, block_size).double()
+        v = dequantize_blockwise(exp_avg_sqs[i], absmax2s[i], qmap2, block_size).double()
+        m = m + (1 - beta1) * (g - m)
+        v = beta2 * v + (1 - beta2) * g * g
+        denom = v.sqrt() / math.sqrt(1 - beta2**t) + eps
+        w = w - (lr / (1 - beta1**t)) * m / denom
+        c1, a1 = quantize_blockwise(m.float(), qmap1, block_size, keep_negative=True)
+        c2, a2 = quantize_blockwise(v.float(), qmap2, block_size, keep_negative=False)
+        exp_avgs[i].copy_(c1)
+        exp_avg_sqs[i].copy_(c2)
+        absmax1s[i].copy_(a1)
+        absmax2s[i].copy_(a2)
+        w32 = w.float()
+        if mode == MASTER_FP32:
+            masters[i].copy_(w32)
+            p.copy_(w32)
+        elif mode == MASTER_REMAINDER:
+            hi, rem = remainder_split(w32.contiguous())
+            p.copy_(hi)
+            masters[i].copy_(rem)
+        elif mode == MASTER_STOCHASTIC:
+            idx = torch.arange(p.numel(), device=p.device).reshape(p.shape)
+            p.copy_(bf16_stochastic(w32, random16(step_seed(seed, t), slot, idx)))
+        else:
+            p.copy_(w32)
