@@ -145,10 +145,10 @@ class GradScaler(torch.amp.GradScaler):
             return super().step(optimizer, *args, **kwargs)  # legacy protocol: torch's path
         if state["stage"] is OptState.READY:
             self._check_inf_per_device(optimizer)
-        if len(state["found_inf_per_device"]) == 0:
-            raise AssertionError("No inf checks were recorded for this optimizer.")
         scale = self._get_scale_async()
-        found_inf = _max_on(state["found_inf_per_device"].values(), scale.device)
+        # No grads at all: torch's fused path steps with found_inf 0 (update() then raises).
+        found_inf = (_max_on(state["found_inf_per_device"].values(), scale.device)
+                     if state["found_inf_per_device"] else torch.zeros_like(scale))
         optimizer.grad_scale = (None if state["stage"] is OptState.UNSCALED
                                 else scale * getattr(optimizer, "grad_scale", 1))
         optimizer.found_inf = found_inf

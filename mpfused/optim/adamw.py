@@ -145,7 +145,7 @@ class AdamW(Optimizer):
     # ---- step -------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
-        self._cuda_graph_capture_health_check()
+        _capture_health_check(self)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -200,6 +200,11 @@ class Adam(AdamW):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, **kwargs):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+def _capture_health_check(optimizer):
+    check = getattr(optimizer, "_accelerator_graph_capture_health_check", None)
+    (check or optimizer._cuda_graph_capture_health_check)()
 
 
 def _local(t):
