@@ -1,0 +1,57 @@
+"""``python -m mpfused.info``: versions, the native build, and which backend serves each op on
+each device (honestly: what would run now, after MPFUSED_BACKEND is applied)."""
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+import mpfused
+from mpfused import _extension
+from mpfused.ops import OPS
+
+
+def report() -> str:
+    lines = [
+        f"mpfused {mpfused.__version__}",
+        f"python {platform.python_version()}  torch {torch.__version__}  "
+        f"torch CUDA {torch.version.cuda or 'none'}",
+    ]
+    try:
+        import triton
+
+        lines.append(f"triton {triton.__version__}"
+                     + ("  (TRITON_INTERPRET=1: kernels run on CPU)"
+                        if os.environ.get("TRITON_INTERPRET") == "1" else ""))
+    except ImportError:
+        lines.append("triton not installed")
+    ext = _extension.load()
+    info = _extension.build_info()
+    if ext is None:
+        lines.append(f"native extension: not loaded ({_extension.error()})")
+    else:
+        archs = getattr(ext, "cuda_archs", "") or "none"
+        lines.append(f"native extension: loaded, built for torch {info.get('torch_version', '?')}, "
+                     f"CUDA kernels {'yes' if _extension.with_cuda() else 'no'} (archs: {archs})")
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    if torch.cuda.is_available():
+        lines.append(f"GPU: {torch.cuda.get_device_name()}")
+    lines.append(f"MPFUSED_BACKEND={os.environ.get('MPFUSED_BACKEND', '') or '(unset: auto)'}")
+    lines.append("")
+    width = max(len(n) for n in OPS)
+    lines.append(f"{'op':<{width}}  " + "  ".join(f"{d:<28}" for d in devices))
+    for name, op in sorted(OPS.items()):
+        cells = []
+        for d in devices:
+            try:
+                chosen = op.resolve(d)
+            except RuntimeError:
+                chosen = "unavailable"
+            cells.append(f"{chosen:<10} (has {','.join(op.available(d))})".ljust(28))
+        lines.append(f"{name:<{width}}  " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(report())
