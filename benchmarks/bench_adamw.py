@@ -1,0 +1,77 @@
+"""Optimizer step and full AMP step: mpfused.AdamW against torch.optim.AdamW (fused and foreach).
+
+* fp32 params: mpfused.AdamW vs torch AdamW(fused=True) and (foreach=True); both move 28 B/param
+  (read p, g, m, v; write p, m, v).
+* full AMP step (scaler + optimizer):
+  native  = torch GradScaler check/unscale on fp32 grads (read+write g: 8 B) + fused AdamW (28 B)
+  mpfused = read-only check on bf16 grads (2 B) + bf16 param / fp32 master step (2+2+4+4+4 read,
+            2+4+4+4 write = 30 B), i.e. 32 B/param against 36.
+
+    python benchmarks/bench_adamw.py [--device cpu|cuda] [--totals 1000000,10000000] [--counts 1,100,10000]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import mpfused
+from benchmarks.common import copy_bandwidth, median_time, print_table, split_sizes, write_results
+
+BYTES = {"fp32_step": 28, "native_amp": 36, "mpfused_amp": 32}
+
+
+def params_for(sizes, dtype, device):
+    ps = [torch.nn.Parameter(torch.randn(n, device=device).to(dtype)) for n in sizes]
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    return ps
+
+
+def amp_step(scaler, opt):
+    scaler.scale(torch.ones((), device=scaler._scale.device if scaler._scale is not None else "cpu"))
+    scaler.step(opt)
+    scaler.update()
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--totals", default="1000000,10000000")
+    ap.add_argument("--counts", default="1,100,10000")
+    args = ap.parse_args(argv)
+    dev = args.device
+    bw = copy_bandwidth(dev)
+    rows = []
+    for total in map(int, args.totals.split(",")):
+        for count in map(int, args.counts.split(",")):
+            sizes = split_sizes(total, count)
+            row = {"params": total, "tensors": count}
+            # fp32 optimizer step alone
+            for name, make in {
+                "torch_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True),
+                "torch_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True),
+                "mpfused": lambda ps: mpfused.AdamW(ps, lr=1e-4),
+            }.items():
+                opt = make(params_for(sizes, torch.float32, dev))
+                row[f"{name}_fp32_ms"] = median_time(opt.step, dev) * 1e3
+            row["fp32_speedup_vs_fused"] = row["torch_fused_fp32_ms"] / row["mpfused_fp32_ms"]
+            row["mpfused_fp32_bw_frac"] = BYTES["fp32_step"] * total / (row["mpfused_fp32_ms"] / 1e3) / bw
+            # full AMP step: scaler + optimizer
+            native_opt = torch.optim.AdamW(params_for(sizes, torch.float32, dev), lr=1e-4, fused=True)
+            native_scaler = torch.amp.GradScaler(dev, init_scale=1.0, growth_interval=10**9)
+            ours_opt = mpfused.AdamW(params_for(sizes, torch.bfloat16, dev), lr=1e-4)
+            ours_scaler = mpfused.GradScaler(dev, init_scale=1.0, growth_interval=10**9)
+            row["native_amp_ms"] = median_time(lambda: amp_step(native_scaler, native_opt), dev) * 1e3
+            row["mpfused_amp_ms"] = median_time(lambda: amp_step(ours_scaler, ours_opt), dev) * 1e3
+            row["amp_speedup"] = row["native_amp_ms"] / row["mpfused_amp_ms"]
+            row["mpfused_amp_bw_frac"] = BYTES["mpfused_amp"] * total / (row["mpfused_amp_ms"] / 1e3) / bw
+            rows.append(row)
+            print_table([row], list(row))
+    print(f"\ncopy bandwidth {bw / 1e9:.1f} GB/s ({dev}); bytes/param model: {BYTES}")
+    print_table(rows, list(rows[0]))
+    print(write_results("adamw", dev, rows, {"copy_bandwidth_GBps": bw / 1e9, "bytes_per_param": BYTES}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Timing and reporting shared by the micro-benchmarks: warm-up, medians, device events (CUDA) or
+synchronized perf_counter (CPU), measured copy bandwidth, and result files that say which machine,
+torch and commit produced them."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def median_time(fn, device: str, warmup: int = 3, reps: int = 15) -> float:
+    """Median seconds of fn() over reps runs after warmup runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device == "cuda":
+        torch.cuda.synchronize()
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+    else:
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_bandwidth(device: str, nbytes: int = 1 << 28) -> float:
+    """Measured bytes/s of a large device-to-device copy (bytes read + bytes written)."""
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    t = median_time(lambda: dst.copy_(src), device, warmup=2, reps=7)
+    return 2 * nbytes / t
+
+
+def machine() -> dict:
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                text=True, cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        commit = "unknown"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "date": datetime.date.today().isoformat(),
+        "commit": commit,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "cpu": cpu,
+        "cpu_threads": torch.get_num_threads(),
+    }
+
+
+def device_tag(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name().replace(" ", "-").replace("/", "-")
+    return f"cpu{os.cpu_count()}"
+
+
+def write_results(name: str, device: str, rows: list[dict], extra: dict | None = None) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}-{device_tag(device)}-{datetime.date.today().isoformat()}.json"
+    path.write_text(json.dumps({"machine": machine(), **(extra or {}), "rows": rows}, indent=1))
+    return path
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
+    print("  ".join(c.rjust(widths[c]) for c in columns))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).rjust(widths[c]) for c in columns))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+    return "" if v is None else str(v)
+
+
+def split_sizes(total: int, count: int) -> list[int]:
+    """count tensor sizes summing to total, deliberately uneven (odd sizes, as real models)."""
+    base = total // count
+    sizes = [base + (i % 7) - 3 for i in range(count)]
+    sizes[-1] += total - sum(sizes)
+    return [max(s, 1) for s in sizes]
