@@ -57,7 +57,7 @@ def load():
             f"mpfused: native extension unavailable ({_error}); using the Triton/reference "
             "backends. Build it with `pip install --no-build-isolation .`.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=2,
         )
     return _module
 
