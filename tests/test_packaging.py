@@ -37,6 +37,7 @@ def test_missing_extension_warns_once(monkeypatch):
     for name, value in (("_tried", False), ("_module", None), ("_error", None)):
         monkeypatch.setattr(e, name, value)
     monkeypatch.setitem(sys.modules, "mpfused._C", None)  # makes `from mpfused import _C` fail
+    monkeypatch.delattr(mpfused, "_C", raising=False)
     with pytest.warns(RuntimeWarning, match="native extension unavailable"):
         assert e.load() is None
     assert e.load() is None  # second call: no new warning (pytest.warns not needed)
