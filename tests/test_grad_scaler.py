@@ -482,3 +482,59 @@ def test_cuda_default_device_disables_without_cuda():
 def test_optstate_reexport():
     assert mpfused.grad_scaler.OptState is OptState
     assert isinstance(mpfused.GradScaler("cpu"), torch.amp.GradScaler)
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_step_update_never_sync_cuda(dtype):
+    model = torch.nn.Linear(64, 64).cuda().to(dtype)
+    opt = mpfused.AdamW(model.parameters(), capturable=True, max_grad_norm=1.0)
+    s = mpfused.GradScaler("cuda")
+    x = torch.randn(8, 64, device="cuda", dtype=dtype)
+    for i in range(3):
+        opt.zero_grad(set_to_none=False)
+        s.scale(model(x).float().sum()).backward()
+        if i:  # after the first step has created state and lazy tensors
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            s.step(opt)
+            s.update()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+@cuda_only
+def test_graph_capture_step_update():
+    """scaler.step(opt); scaler.update() captured in a CUDA graph and replayed (torch's
+    test_graph_grad_scaling pattern): scales and skipped steps follow the replayed grads."""
+    p = torch.nn.Parameter(torch.ones(4, device="cuda", dtype=torch.bfloat16))
+    opt = mpfused.AdamW([p], lr=0.1, capturable=True)
+    s = mpfused.GradScaler("cuda", init_scale=4.0, growth_factor=2.0, backoff_factor=0.5,
+                           growth_interval=1)
+    static_grad = torch.ones(4, device="cuda", dtype=torch.bfloat16)
+    p.grad = static_grad
+    s.scale(torch.ones((), device="cuda"))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the graph: state, lazy init
+        s.step(opt)
+        s.update()
+    torch.cuda.current_stream().wait_stream(side)
+    s.update(4.0)
+    g = torch.cuda.CUDAGraph()
+    s.scale(torch.ones((), device="cuda"))
+    with torch.cuda.graph(g):
+        s.step(opt)
+        s.update()
+    scales, steps = [], []
+    for value in (5.0, float("inf"), 5.0, float("nan")):
+        static_grad.fill_(value)
+        g.replay()
+        scales.append(s._scale.item())
+        steps.append(opt.state[p]["step"].item())
+    assert scales == [8.0, 4.0, 8.0, 4.0]
+    assert steps == [2.0, 2.0, 3.0, 3.0]
+    assert torch.isfinite(p.float()).all()
