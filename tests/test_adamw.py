@@ -329,3 +329,18 @@ def test_bad_input_errors():
     q.grad = torch.randn(4).to_sparse()
     with pytest.raises(RuntimeError, match="sparse"):
         opt.step()
+
+
+def test_state_dict_with_wrong_shapes_is_rejected_before_any_change():
+    ps = make_params()
+    opt = mpfused.AdamW(ps)
+    for p in ps:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    sd["state"][0]["exp_avg"] = torch.zeros(3)
+    before = {k: v.clone() for k, v in opt.state[ps[0]].items()}
+    with pytest.raises(ValueError, match=r"state\[0\]\['exp_avg'\] has shape \(3,\)"):
+        opt.load_state_dict(sd)
+    for k, v in opt.state[ps[0]].items():
+        assert torch.equal(v, before[k])

@@ -218,35 +218,54 @@ def _on(t, device):
 
 # ---- state_dict: keep fp32 state fp32 --------------------------------------------------------
 # torch's load_state_dict casts every floating state tensor to the param's dtype (and an int16
-# remainder to bf16!). The pre-hook keeps the saved tensors aside; the post-hook puts them back
-# with their own dtype on the param's device, converting a torch.optim.AdamW state on the way.
+# remainder to bf16!). The pre-hook validates the saved state against the params (before anything
+# changes) and keeps the saved tensors aside; the post-hook puts them back with their own dtype on
+# the param's device (floating state as fp32, integer state as saved), converting a
+# torch.optim.AdamW state on the way (16-bit moments become fp32, a missing master is taken from
+# the param).
+PER_ELEMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "master_remainder")
+
+
+def _saved_pairs(optimizer, saved_groups):
+    """(saved id, param, group) in torch's matching order: groups in order, params in order."""
+    for saved, group in zip(saved_groups, optimizer.param_groups):
+        for pid, p in zip(saved["params"], group["params"]):
+            yield pid, p, group
+
+
 def _stash_fp32_state(optimizer, state_dict):
-    optimizer._loading = (state_dict["param_groups"], state_dict["state"])
+    saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    for pid, p, _ in _saved_pairs(optimizer, saved_groups):
+        local = _local(p)
+        for key in PER_ELEMENT_KEYS:
+            value = saved_state.get(pid, {}).get(key)
+            if isinstance(value, torch.Tensor) and value.shape != local.shape:
+                raise ValueError(
+                    f"loaded state_dict: state[{pid}][{key!r}] has shape {tuple(value.shape)} but "
+                    f"its param has shape {tuple(local.shape)}; per-element state must have the "
+                    "param's shape")
+    optimizer._loading = (saved_groups, saved_state)
     return state_dict
 
 
 def _restore_fp32_state(optimizer):
     saved_groups, saved_state = optimizer.__dict__.pop("_loading")
     optimizer._plans = {}
-    ids = (i for g in saved_groups for i in g["params"])
-    params = (p for g in optimizer.param_groups for p in g["params"])
-    for pid, p in zip(ids, params):
+    for pid, p, group in _saved_pairs(optimizer, saved_groups):
         if pid not in saved_state:
             continue
-        saved, state = saved_state[pid], optimizer.state[p]
-        group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
-        local = _local(p)
-        for key, value in saved.items():
+        state, local = optimizer.state[p], _local(p)
+        for key, value in saved_state[pid].items():
             if not isinstance(value, torch.Tensor):
                 continue
             if key == "step":
                 state[key] = value.to(device=local.device, dtype=torch.float32).reshape(())
-            elif key == "master_remainder":
-                state[key] = value.to(device=local.device, dtype=torch.int16)
-            else:
+            elif value.is_floating_point():
                 state[key] = value.to(device=local.device, dtype=torch.float32)
+            else:
+                state[key] = value.to(device=local.device)
         mode = optimizer._master_mode(group, p)
         if mode == MASTER_MODES["fp32"] and "master" not in state:
-            state["master"] = local.detach().float()  # from a torch checkpoint: the param's value
+            state["master"] = local.detach().float()
         if mode == MASTER_MODES["remainder"] and "master_remainder" not in state:
             state["master_remainder"] = torch.zeros_like(local, dtype=torch.int16)
