@@ -26,7 +26,8 @@ CUDA_MODE = os.environ.get("MPFUSED_CUDA", "auto")
 if CUDA_MODE not in ("auto", "0", "1"):
     sys.exit(f"MPFUSED_CUDA must be auto, 0 or 1, got {CUDA_MODE!r}")
 
-PACKAGES = ["mpfused", "mpfused.ops", "mpfused.reference", "mpfused.optim", "mpfused.triton_kernels"]
+PACKAGES = ["mpfused", "mpfused.ops", "mpfused.reference", "mpfused.optim", "mpfused.triton_kernels",
+            "mpfused.bench"]
 PACKAGE_DIR = {"mpfused.triton_kernels": "triton_kernels"}
 
 
@@ -52,13 +53,15 @@ def _extensions():
     sources = _sources("bindings/module.cpp") + _sources("bindings/*_cpu.cpp") + _sources("cpu/*.cpp")
     define = [("Py_LIMITED_API", "0x03090000"), ("MPFUSED_WITH_CUDA", "1" if use_cuda else "0"),
               ("MPFUSED_CUDA_ARCHS", f'"{archs}"')]
-    cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-std=c++17"]
+    # no FMA contraction: the AVX-512/AVX2/baseline clones, CUDA and Triton round identically
+    cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c++17"]
     args = dict(include_dirs=[os.path.join(ROOT, "csrc", "include")], define_macros=define,
                 py_limited_api=True)
     if use_cuda:
         sources += _sources("bindings/*_cuda.cpp") + _sources("cuda/*.cu")
         ext = ce.CUDAExtension("mpfused._C", sources, extra_compile_args={
-            "cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]},
+            "cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo",
+                                  "--fmad=false"]},
             extra_link_args=["-fopenmp"], **args)
     else:
         ext = ce.CppExtension("mpfused._C", sources, extra_compile_args={"cxx": cxx},

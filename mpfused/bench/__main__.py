@@ -1,0 +1,3 @@
+from mpfused.bench.cli import main
+
+main()

@@ -1,0 +1,163 @@
+"""The training recipes being compared: how each one builds model weights, optimizer and scaler.
+
+Every builder starts from a deepcopy of the same initialized fp32 model, so all recipes begin from
+identical weights. A builder raises RecipeUnavailable (with the reason) when its library is not
+installed, lacks the class, or cannot be constructed on the device."""
+import copy
+from dataclasses import dataclass
+
+import torch
+
+
+class RecipeUnavailable(Exception):
+    """The recipe cannot run here; the message says why."""
+
+
+@dataclass(frozen=True)
+class Hyperparameters:
+    lr: float
+    betas: tuple = (0.9, 0.99)
+    eps: float = 1e-8
+    weight_decay: float = 1e-2
+
+
+@dataclass
+class TrainSetup:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: object              # torch.amp.GradScaler or mpfused.GradScaler
+    optimizer_name: str         # what actually runs, e.g. "torch.optim.AdamW(fused=True)"
+    scaler_enabled: bool
+
+
+def scaler_wanted(dtype):
+    """Loss scaling only for fp16: bf16 has fp32's exponent range, and torch's own practice (and
+    GradScaler on CPU) is to scale fp16 only."""
+    return dtype == torch.float16
+
+
+def _adamw_kwargs(hp):
+    return dict(lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
+
+
+def _fp32_copy(base_model, device):
+    return copy.deepcopy(base_model).to(device=device, dtype=torch.float32)
+
+
+def _torch_scaler(device, dtype):
+    return torch.amp.GradScaler(device.type, enabled=scaler_wanted(dtype))
+
+
+def _construct(what, build):
+    """Run a constructor, turning any failure into RecipeUnavailable."""
+    try:
+        return build()
+    except RecipeUnavailable:
+        raise
+    except Exception as exc:  # any library error on this device means "cannot run here"
+        raise RecipeUnavailable(f"{what} failed: {type(exc).__name__}: {exc}") from exc
+
+
+def build_native(base_model, device, dtype, hp):
+    model = _fp32_copy(base_model, device)
+    # fused is the fastest torch AdamW; foreach, then the for-loop, where fused is unsupported.
+    for impl in ("fused", "foreach", None):
+        try:
+            kwargs = {impl: True} if impl else {}
+            optimizer = torch.optim.AdamW(model.parameters(), **_adamw_kwargs(hp), **kwargs)
+            name = f"torch.optim.AdamW({impl}=True)" if impl else "torch.optim.AdamW"
+            break
+        except (RuntimeError, ValueError):
+            continue
+    return TrainSetup(model, optimizer, _torch_scaler(device, dtype), name, scaler_wanted(dtype))
+
+
+def _mpfused_attr(name):
+    try:
+        import mpfused
+    except Exception as exc:
+        raise RecipeUnavailable(f"import mpfused failed: {type(exc).__name__}: {exc}") from exc
+    if not hasattr(mpfused, name):
+        raise RecipeUnavailable(f"mpfused.{name} does not exist (yet) in this build")
+    return getattr(mpfused, name)
+
+
+def _build_mpfused(base_model, device, dtype, hp, optimizer_class_name, **optimizer_kwargs):
+    optimizer_class = _mpfused_attr(optimizer_class_name)
+    scaler_class = _mpfused_attr("GradScaler")
+    # 16-bit weights; the optimizer keeps the fp32 (or remainder) master copy.
+    model = copy.deepcopy(base_model).to(device=device, dtype=dtype)
+    optimizer = _construct(f"mpfused.{optimizer_class_name}", lambda: optimizer_class(
+        model.parameters(), **_adamw_kwargs(hp), **optimizer_kwargs))
+    enabled = scaler_wanted(dtype)
+    scaler = _construct("mpfused.GradScaler", lambda: scaler_class(device.type, enabled=enabled))
+    kwargs = ", ".join(f"{k}={v!r}" for k, v in optimizer_kwargs.items())
+    return TrainSetup(model, optimizer, scaler, f"mpfused.{optimizer_class_name}({kwargs})", enabled)
+
+
+def build_mpfused(base_model, device, dtype, hp):
+    return _build_mpfused(base_model, device, dtype, hp, "AdamW", master_weights="fp32")
+
+
+def build_mpfused_remainder(base_model, device, dtype, hp):
+    return _build_mpfused(base_model, device, dtype, hp, "AdamW", master_weights="remainder")
+
+
+def build_mpfused_8bit(base_model, device, dtype, hp):
+    return _build_mpfused(base_model, device, dtype, hp, "AdamW8bit", block_size=256,
+                          min_8bit_size=4096, master_weights="fp32")
+
+
+def _build_peer(base_model, device, dtype, hp, module_name, import_class):
+    try:
+        optimizer_class = import_class()
+    except Exception as exc:
+        raise RecipeUnavailable(f"{module_name} is not usable: {type(exc).__name__}: {exc}") from exc
+    model = _fp32_copy(base_model, device)
+    optimizer = _construct(f"{module_name}.AdamW8bit", lambda: optimizer_class(
+        model.parameters(), **_adamw_kwargs(hp)))
+    return TrainSetup(model, optimizer, _torch_scaler(device, dtype), f"{module_name}.AdamW8bit",
+                      scaler_wanted(dtype))
+
+
+def _bnb_adamw8bit():
+    import bitsandbytes.optim
+    return bitsandbytes.optim.AdamW8bit
+
+
+def _torchao_adamw8bit():
+    import torchao.optim
+    return torchao.optim.AdamW8bit
+
+
+def build_bnb(base_model, device, dtype, hp):
+    return _build_peer(base_model, device, dtype, hp, "bitsandbytes.optim", _bnb_adamw8bit)
+
+
+def build_torchao(base_model, device, dtype, hp):
+    return _build_peer(base_model, device, dtype, hp, "torchao.optim", _torchao_adamw8bit)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    summary: str
+    build: object  # (base_model, device, dtype, Hyperparameters) -> TrainSetup
+
+
+RECIPES = {r.name: r for r in [
+    Recipe("native", "fp32 weights + autocast + torch GradScaler + torch AdamW", build_native),
+    Recipe("mpfused", "16-bit weights + mpfused.AdamW (fp32 master) + mpfused.GradScaler",
+           build_mpfused),
+    Recipe("mpfused-8bit", "16-bit weights + mpfused.AdamW8bit (fp32 master, 8-bit m/v)",
+           build_mpfused_8bit),
+    Recipe("bnb", "fp32 weights + autocast + torch GradScaler + bitsandbytes AdamW8bit",
+           build_bnb),
+    Recipe("torchao", "fp32 weights + autocast + torch GradScaler + torchao AdamW8bit",
+           build_torchao),
+    # Opt-in (not in the default list): bf16 weights + int16 remainder instead of an fp32 master.
+    Recipe("mpfused-remainder", "bf16 weights + mpfused.AdamW (int16 remainder master)",
+           build_mpfused_remainder),
+]}
+
+DEFAULT_RECIPES = ["native", "mpfused", "mpfused-8bit", "bnb", "torchao"]

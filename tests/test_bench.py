@@ -1,0 +1,50 @@
+"""Keeps `python -m mpfused.bench` from rotting: a tiny in-process run of every recipe.
+
+torchao is left out of the end-to-end run because its AdamW8bit torch.compiles every step function
+on first use (20-30 s on a CPU), which would blow this test's budget; `--recipes torchao` runs it."""
+import json
+import math
+
+import torch
+
+from mpfused.bench import main
+from mpfused.bench.memory import training_state_bytes
+from mpfused.bench.recipes import RECIPES
+
+TEST_RECIPES = [name for name in RECIPES if name != "torchao"]
+
+
+def test_bench_tiny_run_writes_every_recipe(tmp_path):
+    main(["--device", "cpu", "--size", "tiny", "--steps", "6", "--recipes", ",".join(TEST_RECIPES),
+          "--out", str(tmp_path), "--seed", "1"])
+
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    recipes = results["recipes"]
+    assert list(recipes) == TEST_RECIPES
+    for name, r in recipes.items():
+        if r["status"] == "ok":
+            assert math.isfinite(r["final_loss"]), name
+            assert len(r["losses"]) == 6 and r["timed_steps"] == 6 - results["config"]["warmup_steps"]
+            assert r["step_time_ms"] > 0 and 0 < r["optimizer_time_ms"] <= r["step_time_ms"]
+            assert r["state_bytes"]["weights"] > 0 and r["state_bytes"]["grads"] > 0
+        else:
+            assert r["status"] == "unavailable" and r["reason"], name
+
+    native = recipes["native"]
+    assert native["status"] == "ok" and native["final_loss_gap_pct"] == 0
+    # fp32 weights, grads, exp_avg and exp_avg_sq: 16 B/param (+ a few bytes of step counters).
+    assert 16 <= native["state_bytes_per_param"]["total"] < 16.1
+    # Untrained loss of a 128-way character model is about ln(128).
+    assert abs(native["losses"][0] - math.log(128)) < 0.3
+
+
+def test_state_bytes_count_shared_storage_once():
+    model = torch.nn.Linear(8, 8, bias=False)
+    model.weight.grad = torch.zeros_like(model.weight)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.state[model.weight]["alias"] = model.weight.detach()  # same storage as the weight
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    counted = training_state_bytes(model, optimizer, scaler)
+    assert counted["weights"] == counted["grads"] == 8 * 8 * 4
+    assert counted["optimizer_state"] == 0 and counted["total"] == 2 * 8 * 8 * 4
