@@ -229,10 +229,6 @@ def _strided_state(device, dtype, mode, layout):
                                         (BF16, STOCHASTIC)],
                          ids=["fp32", "bf16-master", "bf16-remainder", "bf16-stochastic"])
 def test_noncontiguous(device, backend, dtype, mode, layout):
-    if backend == "native" and mode == STOCHASTIC and layout == "shared":
-        pytest.xfail("native CPU kernel indexes the random stream in memory order for dense "
-                     "non-contiguous tensors (PackedLists direct path); reference and Triton use "
-                     "the logical (row-major) index")
     s, base = _strided_state(device, dtype, mode, layout)
     p = s["params"][0]
     ptr, strides = p.data_ptr(), p.stride()

@@ -8,8 +8,9 @@ OP_TOL = {
     torch.float16: (1e-3, 1e-5),    # 1 fp16 ulp is 2^-10 relative
     torch.bfloat16: (8e-3, 1e-5),   # 1 bf16 ulp is 2^-7 relative
 }
-# fp32 optimizer trajectories over tens of steps (rounding accumulates in fp32).
-TRAJ_TOL = {"rtol": 1e-5, "atol": 1e-6}
+# fp32 optimizer trajectories over tens of steps: rounding accumulates differently in two fp32
+# implementations (torch's own optimizer tests compare implementations with atol 1e-5).
+TRAJ_TOL = {"rtol": 1e-5, "atol": 1e-5}
 
 
 def assert_close(actual, expected, dtype=None, **kw):

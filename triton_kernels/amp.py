@@ -19,10 +19,10 @@ def _check_kernel(x_ptr, n, inv_ptr, found_ptr, partial_ptr, DT: tl.constexpr,
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit indexing
     mask = offs < n
     x = load_f32(x_ptr, offs, mask, DT)
-    bad = tl.max(tl.where(mask & is_nonfinite(x), 1, 0), axis=0)
+    u = x * tl.load(inv_ptr)
+    bad = tl.max(tl.where(mask & is_nonfinite(u), 1, 0), axis=0)  # the unscaled value (amp_math.h)
     if bad > 0:
         tl.store(found_ptr, 1.0)
-    u = x * tl.load(inv_ptr)
     if WRITE:
         store_f32(x_ptr, offs, u, mask, DT)
     if NORM:

@@ -40,11 +40,13 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
   PackedLists<6> packed({params, grads, exp_avgs, exp_avg_sqs,
                          amsgrad ? max_exp_avg_sqs : at::TensorList(),
                          has_master ? masters : at::TensorList()},
-                        {true, false, true, true, true, true}, "params");
+                        {true, false, true, true, true, true}, "params",
+                        /*require_logical_order=*/master_mode == kStochastic);  // the SR stream
+                                                  // is indexed in logical (row-major) order
   std::vector<double> t(packed.index.size());
   for (size_t j = 0; j < t.size(); ++j) t[j] = steps[packed.index[j]].item<double>() + 1.0;
-  cpu::AdamConfig cfg{float(lr_tensor ? lr_tensor->item<double>() : lr), float(beta1),
-                      float(beta2), float(eps), float(weight_decay), grad_mult, amsgrad,
+  cpu::AdamConfig cfg{float(lr_tensor ? lr_tensor->item<double>() : lr), beta1, beta2,
+                      float(eps), float(weight_decay), grad_mult, amsgrad,
                       maximize, decoupled, int32_t(master_mode), uint64_t(seed)};
   cpu::adam_step(packed.view(), t.data(), cfg, at::get_num_threads());
   packed.finish();

@@ -9,7 +9,9 @@ namespace mpfused::cpu {
 enum AdamOperand { kParam = 0, kGrad = 1, kExpAvg = 2, kExpAvgSq = 3, kMaxExpAvgSq = 4, kMaster = 5 };
 
 struct AdamConfig {
-  float lr, beta1, beta2, eps, weight_decay;
+  float lr;
+  double beta1, beta2;  // unrounded for the bias corrections
+  float eps, weight_decay;
   float grad_mult;  // inv_scale * clip coefficient
   bool amsgrad, maximize, decoupled;
   int32_t master_mode;  // MasterMode

@@ -91,7 +91,10 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, s
         if p.numel() == 0:
             continue
         slot += 1
-        mode = master_mode if p.dtype != torch.float32 else MASTER_NONE
+        # as the kernels' dispatch: remainder and stochastic rounding exist for bf16 only
+        mode = (master_mode if p.dtype == torch.bfloat16 else
+                MASTER_FP32 if p.dtype == torch.float16 and master_mode == MASTER_FP32 else
+                MASTER_NONE)
         if mode == MASTER_FP32:
             w = masters[i].double()
         elif mode == MASTER_REMAINDER:

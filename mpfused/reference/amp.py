@@ -17,8 +17,8 @@ def _check(grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor, write_back)
         if g.numel() == 0:
             continue
         g64 = g.double()
-        bad |= ~torch.isfinite(g64).all()
         u = g64 * inv
+        bad |= ~torch.isfinite(u.float()).all()  # the unscaled value, in the kernels' fp32
         if write_back:
             g.copy_(u)
         if norm_sq is not None or norm_sq_per_tensor is not None:

@@ -24,19 +24,20 @@ struct AdamScalars {
   float bc2_sqrt;    // sqrt(1 - beta2^t)
 };
 
-MPF_HD AdamScalars adam_scalars(float lr, float beta1, float beta2, float eps, float weight_decay,
+// Betas arrive in double: the bias corrections use them unrounded, as torch does.
+MPF_HD AdamScalars adam_scalars(float lr, double beta1, double beta2, float eps, float weight_decay,
                                 bool decoupled, bool maximize, float grad_mult, double t) {
   AdamScalars s;
   s.lr = lr;
-  s.beta1 = beta1;
-  s.beta2 = beta2;
+  s.beta1 = float(beta1);
+  s.beta2 = float(beta2);
   s.eps = eps;
   s.decay = decoupled ? lr * weight_decay : 0.f;
   s.l2 = decoupled ? 0.f : weight_decay;
   s.grad_mult = maximize ? -grad_mult : grad_mult;
   // Bias corrections in double from the step count, as torch's for-loop implementation.
-  s.step_size = float(double(lr) / (1.0 - pow(double(beta1), t)));
-  s.bc2_sqrt = float(sqrt(1.0 - pow(double(beta2), t)));
+  s.step_size = float(double(lr) / (1.0 - pow(beta1, t)));
+  s.bc2_sqrt = float(sqrt(1.0 - pow(beta2, t)));
   return s;
 }
 

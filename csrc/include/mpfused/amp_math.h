@@ -6,11 +6,13 @@
 
 namespace mpfused {
 
-// Unscale one gradient element. The check looks at the value as stored (scaled), exactly as
-// torch._amp_foreach_non_finite_check_and_unscale_ does; `bad` is OR-ed, never cleared.
+// Unscale one gradient element; `bad` is OR-ed, never cleared. The test is on the unscaled fp32
+// value: a non-finite g stays non-finite, and a scale that collapsed to a subnormal (inv_scale
+// overflowing to inf) is caught too, where torch's check of the stored value lets NaN through.
 MPF_HD float unscale_element(float g, float inv_scale, uint32_t& bad) {
-  bad |= uint32_t(!is_finite_f32(g));
-  return g * inv_scale;
+  const float u = g * inv_scale;
+  bad |= uint32_t(!is_finite_f32(u));
+  return u;
 }
 
 struct ScaleUpdateParams {
