@@ -1,0 +1,200 @@
+"""Hardening: non-finite storms, property-based tests against the reference, determinism,
+no growth over many steps."""
+import gc
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mpfused
+from mpfused.ops import OPS
+from tests.conftest import DTYPES
+from tests.tolerances import assert_close
+
+OP_UNDER_TEST = "adam_step_"
+# sizes around every boundary a kernel has: CPU chunk (32768), Triton block (4096), 8-bit block (256)
+BOUNDARY_SIZES = [0, 1, 2, 3, 5, 7, 13, 255, 256, 257, 4095, 4096, 4097, 32767, 32768, 32769]
+
+
+def expected_scale_trajectory(init, events, growth_interval, growth=2.0, backoff=0.5):
+    scale, tracker, out = init, 0, []
+    for bad in events:
+        if bad:
+            scale, tracker = scale * backoff, 0
+        else:
+            tracker += 1
+            if tracker == growth_interval:
+                grown = float(torch.tensor(scale * growth, dtype=torch.float32))
+                scale, tracker = (grown if math.isfinite(grown) else scale), 0
+        out.append(scale)
+    return out
+
+
+@pytest.mark.parametrize("master", ["fp32", "remainder"])
+def test_non_finite_storm(master):
+    """2000 steps with inf/NaN at random steps, tensors and positions (also the last element of an
+    odd-sized tensor, also in one tensor of many): skipped steps change nothing, no NaN reaches a
+    weight or a state, the scale follows the rule, training continues."""
+    rng = random.Random(1234)
+    shapes = [(31,), (17, 3), (1,), (257,), (5, 5, 5)] + [(rng.randint(1, 9),) for _ in range(40)]
+    params = [torch.nn.Parameter(torch.randn(s).bfloat16()) for s in shapes]
+    params += [torch.nn.Parameter(torch.randn(13, 7))]
+    opt = mpfused.AdamW(params, lr=1e-3, master_weights=master, max_grad_norm=5.0)
+    scaler = mpfused.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
+    events, scales = [], []
+    for step in range(2000):
+        for p in params:
+            p.grad = torch.randn_like(p) * (scaler.get_scale() * 1e-2)
+        bad = rng.random() < 0.15
+        if bad:
+            victim = rng.choice(params)
+            where = rng.choice([0, victim.numel() - 1, rng.randrange(victim.numel())])
+            victim.grad.view(-1)[where] = rng.choice([float("inf"), float("-inf"), float("nan")])
+            snapshot = ([p.detach().clone() for p in params],
+                        [{k: v.clone() for k, v in opt.state[p].items()} for p in params])
+        scaler.scale(torch.ones(()))
+        scaler.step(opt)
+        scaler.update()
+        events.append(bad)
+        scales.append(scaler.get_scale())
+        if bad and step > 0:
+            for p, old, st_old in zip(params, *snapshot):
+                assert torch.equal(p.detach().view(torch.uint8), old.view(torch.uint8))
+                for k, v in opt.state[p].items():
+                    assert torch.equal(v, st_old[k]), (step, k)
+        if step % 100 == 0 or step == 1999:
+            for p in params:
+                assert torch.isfinite(p.detach().float()).all()
+                assert all(torch.isfinite(v.float()).all() for v in opt.state[p].values())
+    assert scales == expected_scale_trajectory(2.0**12, events, 3)
+    taken = sum(1 for b in events if not b)
+    assert opt.state[params[-1]]["step"].item() == taken
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_check_unscale_property(device, backend, data):
+    n_tensors = data.draw(st.integers(1, 6))
+    grads = []
+    for _ in range(n_tensors):
+        size = data.draw(st.sampled_from(BOUNDARY_SIZES if backend != "triton" else BOUNDARY_SIZES[:12]))
+        dtype = data.draw(st.sampled_from(DTYPES))
+        g = (torch.randn(size * 2 + 1, device=device) * 100).to(dtype)
+        g = g[::2] if data.draw(st.booleans()) else g[:size]  # strided views too
+        grads.append(g)
+    if data.draw(st.booleans()):
+        g = data.draw(st.sampled_from([g for g in grads if g.numel()] or [None]))
+        if g is not None:
+            g.view(-1)[data.draw(st.integers(0, g.numel() - 1))] = float("nan")
+    inv = data.draw(st.sampled_from([1.0, 0.5, 2.0**-14, 3.0]))
+    write = data.draw(st.booleans())
+    op = "unscale_grads_" if write else "check_grads"
+    expect = [g.clone() for g in grads]
+    outs = []
+    for gs, be in ((grads, backend), (expect, "reference")):
+        found, norm = torch.zeros((), device=device), torch.zeros((), device=device)
+        per = torch.zeros(len(gs), device=device)
+        OPS[op](gs, found, torch.tensor(inv, device=device), norm, per, backend=be)
+        outs.append((found, norm, per))
+    assert outs[0][0].item() == outs[1][0].item()
+    for g, e in zip(grads, expect):
+        if torch.isfinite(e).all():
+            assert_close(g, e)
+    if outs[1][0].item() == 0:
+        assert_close(outs[0][1], outs[1][1], dtype=torch.float32, rtol=1e-5)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_adam_step_property(device, backend, data):
+    dtype = data.draw(st.sampled_from(DTYPES))
+    modes = {torch.float32: [0], torch.float16: [0, 1], torch.bfloat16: [0, 1, 2]}[dtype]
+    mode = data.draw(st.sampled_from(modes))
+    sizes = data.draw(st.lists(st.sampled_from(BOUNDARY_SIZES[:13]), min_size=1, max_size=4))
+    hyper = dict(lr=data.draw(st.sampled_from([1e-3, 1e-1])),
+                 wd=data.draw(st.sampled_from([0.0, 0.1])),
+                 amsgrad=data.draw(st.booleans()), maximize=data.draw(st.booleans()),
+                 decoupled=data.draw(st.booleans()))
+    base = [torch.randn(n, device=device).to(dtype) for n in sizes]
+    grads = [torch.randn_like(b) for b in base]
+    results = []
+    for be in (backend, "reference"):
+        p = [b.clone() for b in base]
+        m = [torch.zeros_like(b, dtype=torch.float32) for b in base]
+        v = [torch.zeros_like(b, dtype=torch.float32) for b in base]
+        vm = [torch.zeros_like(b, dtype=torch.float32) for b in base] if hyper["amsgrad"] else []
+        ms = ([b.float() for b in base] if mode == 1 else
+              [torch.zeros_like(b, dtype=torch.int16) for b in base] if mode == 2 else [])
+        steps = [torch.zeros((), device=device) for _ in base]
+        for _ in range(2):
+            OPS["adam_step_"](p, grads, m, v, vm, ms, steps, hyper["lr"], None, 0.9, 0.999, 1e-8,
+                              hyper["wd"], hyper["amsgrad"], hyper["maximize"], hyper["decoupled"],
+                              mode, backend=be)
+        results.append((p, m, v, steps))
+    for a, b in zip(results[0][0], results[1][0]):
+        assert_close(a, b, rtol=OP_TOL_PARAM[dtype], atol=1e-5)
+    for a, b in zip(results[0][1], results[1][1]):
+        assert_close(a, b, dtype=torch.float32, rtol=1e-5, atol=1e-6)
+    assert [s.item() for s in results[0][3]] == [2.0] * len(sizes)
+
+
+# a 16-bit param may land one ulp apart after fp32 vs float64 math
+OP_TOL_PARAM = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+
+
+def test_deterministic_run_to_run(device, backend):
+    torch.manual_seed(0)
+    base = [torch.randn(n, device=device) for n in (4097, 33, 32769 if backend != "triton" else 5)]
+    outs = []
+    for _ in range(2):
+        p = [torch.nn.Parameter(b.clone().bfloat16()) for b in base]
+        opt = mpfused.AdamW(p, max_grad_norm=1.0, backend=backend)
+        gen = torch.Generator(device=device).manual_seed(1)
+        for _ in range(3):
+            for q in p:
+                q.grad = torch.randn(q.shape, generator=gen, device=device).bfloat16()
+            opt.step()
+        outs.append([q.detach().clone() for q in p] + [opt.state[q]["master"] for q in p])
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_no_growth_over_10000_steps():
+    params = [torch.nn.Parameter(torch.randn(n).bfloat16()) for n in (3, 5, 7, 300)]
+    opt = mpfused.AdamW(params)
+    scaler = mpfused.GradScaler("cpu", growth_interval=100)
+    for p in params:
+        p.grad = torch.randn_like(p)
+
+    def step():
+        scaler.scale(torch.ones(()))
+        scaler.step(opt)
+        scaler.update()
+
+    step()
+    plan = opt._plans[0]
+    ptrs = [v.data_ptr() for p in params for v in opt.state[p].values()]
+    gc.collect()
+    n_objects = len(gc.get_objects())
+    for _ in range(10_000):
+        step()
+    gc.collect()
+    assert opt._plans[0] is plan  # cached lists reused, never rebuilt
+    assert ptrs == [v.data_ptr() for p in params for v in opt.state[p].values()]
+    assert len(gc.get_objects()) - n_objects < 100
+    assert opt.state[params[0]]["step"].item() == 10_001
+    assert math.isfinite(scaler.get_scale())
+
+
+def test_plan_rebuilt_when_params_change():
+    params = [torch.nn.Parameter(torch.randn(4)) for _ in range(3)]
+    opt = mpfused.AdamW(params)
+    params[0].grad = torch.randn(4)
+    opt.step()
+    plan = opt._plans[0]
+    params[1].grad = torch.randn(4)
+    opt.step()
+    assert opt._plans[0] is not plan and opt.state[params[1]]["step"].item() == 1
