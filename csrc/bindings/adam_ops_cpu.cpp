@@ -16,20 +16,10 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
                    const std::optional<at::Tensor>& found_inf,
                    const std::optional<at::Tensor>& norm_sq, double max_grad_norm, int64_t seed) {
   if (params.empty()) return;
+  check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, amsgrad,
+                  master_mode, grad_scale, found_inf, norm_sq);
   // Skip on found_inf > 0: nothing is touched, step counters included. CPU tensors: no sync.
   if (found_inf && found_inf->item<float>() > 0.f) return;
-  for (size_t i = 0; i < params.size(); ++i)
-    TORCH_CHECK(grads[i].scalar_type() == params[i].scalar_type(), "mpfused: grads[", i,
-                "] must have its param's dtype ", params[i].scalar_type(), ", got ",
-                grads[i].scalar_type());
-  check_dtypes(exp_avgs, at::kFloat, "exp_avgs");
-  check_dtypes(exp_avg_sqs, at::kFloat, "exp_avg_sqs");
-  check_dtypes(max_exp_avg_sqs, at::kFloat, "max_exp_avg_sqs");
-  TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == params.size(),
-              "mpfused: amsgrad needs one max_exp_avg_sq per param");
-  if (master_mode == kFp32Master) check_dtypes(masters, at::kFloat, "masters");
-  if (master_mode == kRemainder) check_dtypes(masters, at::kShort, "masters (remainders)");
-  TORCH_CHECK(steps.size() == params.size(), "mpfused: one step tensor per param is required");
 
   float grad_mult = grad_scale ? 1.f / grad_scale->item<float>() : 1.f;
   if (norm_sq && max_grad_norm > 0) {

@@ -12,12 +12,6 @@
 namespace mpfused::bind {
 namespace {
 
-void check_same_device(at::TensorList list, const at::Device& dev, const char* what) {
-  for (size_t i = 0; i < list.size(); ++i)
-    TORCH_CHECK(list[i].device() == dev, "mpfused: ", what, "[", i, "] is on ", list[i].device(),
-                " but params[0] is on ", dev, "; all tensors must be on one device");
-}
-
 void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                     at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
                     at::TensorList masters, at::TensorList steps, double lr,
@@ -27,37 +21,10 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
                     const std::optional<at::Tensor>& found_inf,
                     const std::optional<at::Tensor>& norm_sq, double max_grad_norm, int64_t seed) {
   if (params.empty()) return;
-  const at::Device dev = params[0].device();
+  const at::Device dev =
+      check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps,
+                      amsgrad, master_mode, grad_scale, found_inf, norm_sq);
   TORCH_CHECK(dev.is_cuda(), "mpfused: params must be CUDA tensors here, got ", dev);
-  // PackedLists checks each tensor's operands against its param; params against each other here.
-  check_same_device(params, dev, "params");
-  // Before indexing grads[i] below; PackedLists would treat an empty moment list as absent.
-  TORCH_CHECK(grads.size() == params.size() && exp_avgs.size() == params.size() &&
-                  exp_avg_sqs.size() == params.size(),
-              "mpfused: params, grads, exp_avgs and exp_avg_sqs must have the same length (",
-              params.size(), ", ", grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(),
-              ")");
-  for (size_t i = 0; i < params.size(); ++i)
-    TORCH_CHECK(grads[i].scalar_type() == params[i].scalar_type(), "mpfused: grads[", i,
-                "] must have its param's dtype ", params[i].scalar_type(), ", got ",
-                grads[i].scalar_type());
-  check_dtypes(exp_avgs, at::kFloat, "exp_avgs");
-  check_dtypes(exp_avg_sqs, at::kFloat, "exp_avg_sqs");
-  check_dtypes(max_exp_avg_sqs, at::kFloat, "max_exp_avg_sqs");
-  TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == params.size(),
-              "mpfused: amsgrad needs one max_exp_avg_sq per param");
-  if (master_mode == kFp32Master) check_dtypes(masters, at::kFloat, "masters");
-  if (master_mode == kRemainder) check_dtypes(masters, at::kShort, "masters (remainders)");
-  TORCH_CHECK(steps.size() == params.size(), "mpfused: one step tensor per param is required");
-  // The kernel reads each counter through a float pointer on the device (capturable steps).
-  for (size_t i = 0; i < steps.size(); ++i)
-    TORCH_CHECK(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat &&
-                    steps[i].device() == dev,
-                "mpfused: steps[", i, "] must be a 1-element float32 tensor on ", dev, ", got ",
-                steps[i].sizes(), " ", steps[i].scalar_type(), " on ", steps[i].device());
-  if (grad_scale) check_scalar_f32(*grad_scale, "grad_scale", dev);
-  if (found_inf) check_scalar_f32(*found_inf, "found_inf", dev);
-  if (norm_sq) check_scalar_f32(*norm_sq, "norm_sq", dev);
 
   const c10::cuda::CUDAGuard guard(dev);
   // lr: a CUDA tensor is read by the kernel (cast to float32 on the device if needed); a CPU
@@ -77,15 +44,6 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   }
 
   const bool has_master = master_mode == kFp32Master || master_mode == kRemainder;
-  // A 16-bit param whose mode needs the master must have one (pick_kernel's dispatch): without
-  // this check a missing masters list would be a null pointer in the kernel.
-  if (has_master && masters.empty())
-    for (size_t i = 0; i < params.size(); ++i)
-      TORCH_CHECK(params[i].scalar_type() == at::kFloat ||
-                      (master_mode == kRemainder && params[i].scalar_type() == at::kHalf) ||
-                      params[i].numel() == 0,
-                  "mpfused: master_mode ", master_mode, " needs one master per param (params[",
-                  i, "] is ", params[i].scalar_type(), ")");
   // Stochastic rounding draws per logical element index (as the reference): such tensors must
   // be visited in logical order, so non-contiguous ones are staged.
   PackedLists<6> packed({params, grads, exp_avgs, exp_avg_sqs,
@@ -108,8 +66,8 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
     cuda::AdamConfig cfg{};
     cfg.lr = lr_value;
     cfg.lr_ptr = lr_dev.defined() ? lr_dev.data_ptr<float>() : nullptr;
-    cfg.beta1 = float(beta1);
-    cfg.beta2 = float(beta2);
+    cfg.beta1 = beta1;
+    cfg.beta2 = beta2;
     cfg.eps = float(eps);
     cfg.weight_decay = float(weight_decay);
     cfg.grad_scale = grad_scale ? grad_scale->data_ptr<float>() : nullptr;

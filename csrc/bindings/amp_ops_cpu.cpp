@@ -11,15 +11,7 @@ void amp_check_impl(at::TensorList grads, const at::Tensor& found_inf, const at:
                     const std::optional<at::Tensor>& norm_sq,
                     const std::optional<at::Tensor>& norm_sq_per_tensor, bool write_back) {
   if (grads.empty()) return;
-  const at::Device dev = grads[0].device();
-  check_scalar_f32(found_inf, "found_inf", dev);
-  check_scalar_f32(inv_scale, "inv_scale", dev);
-  if (norm_sq) check_scalar_f32(*norm_sq, "norm_sq", dev);
-  if (norm_sq_per_tensor)
-    TORCH_CHECK(norm_sq_per_tensor->numel() == int64_t(grads.size()) &&
-                    norm_sq_per_tensor->scalar_type() == at::kFloat &&
-                    norm_sq_per_tensor->is_contiguous(),
-                "mpfused: norm_sq_per_tensor must be a contiguous float32 tensor of len(grads)");
+  check_amp_args(grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor);
   PackedLists<1> packed({grads}, {write_back}, "grads");
   std::vector<float> per(packed.numel.size(), 0.f);
   cpu::amp_check(packed.view(), inv_scale.item<float>(), write_back, found_inf.data_ptr<float>(),

@@ -12,32 +12,12 @@
 namespace mpfused::bind {
 namespace {
 
-// PackedLists checks that the operands of one tensor share a device; a CUDA kernel also needs
-// every tensor of the call on the same device.
-void check_same_device(at::TensorList list, const at::Device& dev, const char* what) {
-  for (size_t i = 0; i < list.size(); ++i)
-    TORCH_CHECK(list[i].device() == dev, "mpfused: ", what, "[", i, "] is on ", list[i].device(),
-                " but ", what, "[0] is on ", dev, "; all tensors must be on one device");
-}
-
 void amp_check_impl(at::TensorList grads, const at::Tensor& found_inf, const at::Tensor& inv_scale,
                     const std::optional<at::Tensor>& norm_sq,
                     const std::optional<at::Tensor>& norm_sq_per_tensor, bool write_back) {
   if (grads.empty()) return;
-  const at::Device dev = grads[0].device();
+  const at::Device dev = check_amp_args(grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor);
   TORCH_CHECK(dev.is_cuda(), "mpfused: grads must be CUDA tensors here, got ", dev);
-  check_same_device(grads, dev, "grads");
-  check_scalar_f32(found_inf, "found_inf", dev);
-  check_scalar_f32(inv_scale, "inv_scale", dev);
-  if (norm_sq) check_scalar_f32(*norm_sq, "norm_sq", dev);
-  if (norm_sq_per_tensor) {
-    TORCH_CHECK(norm_sq_per_tensor->numel() == int64_t(grads.size()) &&
-                    norm_sq_per_tensor->scalar_type() == at::kFloat &&
-                    norm_sq_per_tensor->is_contiguous(),
-                "mpfused: norm_sq_per_tensor must be a contiguous float32 tensor of len(grads)");
-    TORCH_CHECK(norm_sq_per_tensor->device() == dev, "mpfused: norm_sq_per_tensor must be on ",
-                dev, " (the grads' device), got ", norm_sq_per_tensor->device());
-  }
   const c10::cuda::CUDAGuard guard(dev);
   PackedLists<1> packed({grads}, {write_back}, "grads");
   if (packed.numel.empty()) return;  // only empty tensors: nothing to check or add

@@ -7,6 +7,7 @@
 #include <array>
 #include <vector>
 
+#include "mpfused/adam_math.h"
 #include "mpfused/tensor_list.h"
 
 namespace mpfused::bind {
@@ -35,6 +36,79 @@ inline void check_scalar_f32(const at::Tensor& t, const char* what, const at::De
               t.scalar_type());
   TORCH_CHECK(t.device() == dev, "mpfused: ", what, " must be on ", dev, " (the grads' device), got ",
               t.device());
+}
+
+// Every tensor of `list` on `dev` (a multi-tensor kernel runs on one device).
+inline void check_same_device(at::TensorList list, const at::Device& dev, const char* what) {
+  for (size_t i = 0; i < list.size(); ++i)
+    TORCH_CHECK(list[i].device() == dev, "mpfused: ", what, "[", i, "] is on ", list[i].device(),
+                " but ", what, "[0] is on ", dev, "; all tensors must be on one device");
+}
+
+// Arguments of unscale_grads_/check_grads (every backend): returns the grads' device.
+inline at::Device check_amp_args(at::TensorList grads, const at::Tensor& found_inf,
+                                 const at::Tensor& inv_scale,
+                                 const std::optional<at::Tensor>& norm_sq,
+                                 const std::optional<at::Tensor>& norm_sq_per_tensor) {
+  const at::Device dev = grads[0].device();
+  check_same_device(grads, dev, "grads");
+  check_scalar_f32(found_inf, "found_inf", dev);
+  check_scalar_f32(inv_scale, "inv_scale", dev);
+  if (norm_sq) check_scalar_f32(*norm_sq, "norm_sq", dev);
+  if (norm_sq_per_tensor)
+    TORCH_CHECK(norm_sq_per_tensor->numel() == int64_t(grads.size()) &&
+                    norm_sq_per_tensor->scalar_type() == at::kFloat &&
+                    norm_sq_per_tensor->is_contiguous() && norm_sq_per_tensor->device() == dev,
+                "mpfused: norm_sq_per_tensor must be a contiguous float32 tensor of len(grads) "
+                "on the grads' device ", dev);
+  return dev;
+}
+
+// Arguments of adam_step_ (every backend): lengths, dtypes, devices, step counters, scalars.
+// Returns the params' device.
+inline at::Device check_adam_args(at::TensorList params, at::TensorList grads,
+                                  at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                                  at::TensorList max_exp_avg_sqs, at::TensorList masters,
+                                  at::TensorList steps, bool amsgrad, int64_t master_mode,
+                                  const std::optional<at::Tensor>& grad_scale,
+                                  const std::optional<at::Tensor>& found_inf,
+                                  const std::optional<at::Tensor>& norm_sq) {
+  const at::Device dev = params[0].device();
+  check_same_device(params, dev, "params");
+  TORCH_CHECK(grads.size() == params.size() && exp_avgs.size() == params.size() &&
+                  exp_avg_sqs.size() == params.size() && steps.size() == params.size(),
+              "mpfused: params, grads, exp_avgs, exp_avg_sqs and steps must have the same length (",
+              params.size(), ", ", grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(),
+              ", ", steps.size(), ")");
+  for (size_t i = 0; i < params.size(); ++i)
+    TORCH_CHECK(grads[i].scalar_type() == params[i].scalar_type(), "mpfused: grads[", i,
+                "] must have its param's dtype ", params[i].scalar_type(), ", got ",
+                grads[i].scalar_type());
+  check_dtypes(exp_avgs, at::kFloat, "exp_avgs");
+  check_dtypes(exp_avg_sqs, at::kFloat, "exp_avg_sqs");
+  check_dtypes(max_exp_avg_sqs, at::kFloat, "max_exp_avg_sqs");
+  TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == params.size(),
+              "mpfused: amsgrad needs one max_exp_avg_sq per param");
+  if (master_mode == kFp32Master) check_dtypes(masters, at::kFloat, "masters");
+  if (master_mode == kRemainder) check_dtypes(masters, at::kShort, "masters (remainders)");
+  // A 16-bit param whose mode needs a master must have one, else the kernel reads a null pointer.
+  const bool has_master = master_mode == kFp32Master || master_mode == kRemainder;
+  if (has_master)
+    for (size_t i = 0; i < params.size(); ++i)
+      TORCH_CHECK(masters.size() == params.size() || params[i].scalar_type() == at::kFloat ||
+                      (master_mode == kRemainder && params[i].scalar_type() == at::kHalf) ||
+                      params[i].numel() == 0,
+                  "mpfused: master_mode ", master_mode, " needs one master per param (params[",
+                  i, "] is ", params[i].scalar_type(), ")");
+  for (size_t i = 0; i < steps.size(); ++i)
+    TORCH_CHECK(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat &&
+                    steps[i].device() == dev,
+                "mpfused: steps[", i, "] must be a 1-element float32 tensor on ", dev, ", got ",
+                steps[i].sizes(), " ", steps[i].scalar_type(), " on ", steps[i].device());
+  if (grad_scale) check_scalar_f32(*grad_scale, "grad_scale", dev);
+  if (found_inf) check_scalar_f32(*found_inf, "found_inf", dev);
+  if (norm_sq) check_scalar_f32(*norm_sq, "norm_sq", dev);
+  return dev;
 }
 
 // Packs DEPTH parallel tensor lists (operand k of tensor i is lists[k][i]). Elementwise kernels

@@ -19,7 +19,8 @@ constexpr int kAdamDepth = 7;
 struct AdamConfig {
   float lr;              // used when lr_ptr is null
   const float* lr_ptr;   // null or a device float
-  float beta1, beta2, eps, weight_decay;
+  double beta1, beta2;  // unrounded for the bias corrections (as torch)
+  float eps, weight_decay;
   const float* grad_scale;  // null or device float: grads are multiplied by 1 / *grad_scale
   const float* found_inf;   // null or device float: > 0 skips the step (nothing is written)
   const float* norm_sq;     // null or device float: sum of squares of the unscaled grads
