@@ -3,6 +3,7 @@
 Drop-ins: ``mpfused.GradScaler`` for ``torch.amp.GradScaler``, ``mpfused.AdamW`` / ``mpfused.Adam``
 for ``torch.optim.AdamW`` / ``Adam`` (fp16/bf16 params with fp32 master weights)."""
 from mpfused import ops  # noqa: F401  (defines the ops and loads the extension)
+from mpfused import amp  # noqa: F401  (recipes: cast_model, setup, autocast, estimate_memory)
 from mpfused.clip_grad import clip_grad_norm_
 from mpfused.grad_scaler import GradScaler
 from mpfused.optim import Adam, AdamW

@@ -1,0 +1,465 @@
+"""Mixed-precision recipes: cast a model with fp32 islands, set up model + optimizer + scaler in one
+call, pick the autocast device/dtype, and estimate training-state memory per recipe.
+
+* ``cast_model(model, dtype)`` — fp16/bf16 weights, normalization layers (or any modules you name)
+  kept in fp32; forward hooks cast activations into and out of each fp32 island (apex O2's
+  keep-batchnorm-fp32, InternEvo's ``NaiveAMPModel``).
+* ``setup(model, ...)`` -> ``(model, optimizer, scaler)`` — bf16 where the device supports it
+  (scaler disabled), fp16 with an enabled ``mpfused.GradScaler`` otherwise; fp32 master weights in
+  the optimizer; TF32 for fp32 matmuls on request.
+* ``autocast(model_or_device)`` — ``torch.autocast`` with the right device type and dtype.
+* ``estimate_memory(model_or_param_count, recipe)`` — bytes of weights, grads, master weights and
+  optimizer state (training state only: activations, temporaries and allocator slack excluded).
+"""
+from __future__ import annotations
+
+import fnmatch
+import functools
+import math
+import re
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["cast_model", "setup", "autocast", "estimate_memory", "MemoryEstimate", "RECIPES",
+           "is_norm_layer", "resolve_dtype", "bf16_supported"]
+
+# ---- dtypes and devices ---------------------------------------------------------------------
+_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+           "float16": torch.float16, "half": torch.float16, "fp32": torch.float32,
+           "float32": torch.float32, "float": torch.float32}
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def bf16_supported(device) -> bool:
+    """Whether ``device`` runs bf16 natively (CUDA: compute capability >= 8.0, no emulation)."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return True
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return False
+        try:
+            return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+        except TypeError:  # older torch
+            return bool(torch.cuda.is_bf16_supported())
+    check = getattr(getattr(torch, device.type, None), "is_bf16_supported", None)
+    if check is None:
+        return device.type == "mps"
+    try:
+        return bool(check())
+    except Exception:
+        return False
+
+
+def resolve_dtype(dtype, device) -> torch.dtype:
+    """``"auto"`` -> bf16 where ``device`` supports it, else fp16; names and torch dtypes pass
+    through (``"bf16"``, ``"fp16"``, ``"fp32"``, ``torch.bfloat16`` ...)."""
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if bf16_supported(device) else torch.float16
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    else:
+        resolved = _DTYPES.get(str(dtype).lower())
+    if resolved not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"dtype must be 'auto', 'bf16', 'fp16', 'fp32' or a matching "
+                         f"torch.dtype, got {dtype!r}")
+    return resolved
+
+
+def _module_device(module: nn.Module) -> torch.device:
+    for t in module.parameters():
+        return t.device
+    for t in module.buffers():
+        return t.device
+    return torch.device("cpu")
+
+
+# ---- cast_model: 16-bit model with fp32 islands ----------------------------------------------
+_TORCH_NORMS = tuple(t for t in (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase,
+                                 getattr(nn, "RMSNorm", None)) if t is not None)
+_NORM_NAME = re.compile(r"(RMS|Layer|Group|Batch|Instance)Norm")
+
+
+def is_norm_layer(name: str, module: nn.Module) -> bool:
+    """The default fp32 islands: torch's LayerNorm, GroupNorm, BatchNorm*/SyncBatchNorm,
+    InstanceNorm*, RMSNorm, and third-party norms by class name (``LlamaRMSNorm``,
+    ``T5LayerNorm``, apex ``FusedLayerNorm`` ...)."""
+    return isinstance(module, _TORCH_NORMS) or bool(_NORM_NAME.search(type(module).__name__))
+
+
+DEFAULT_KEEP_FP32 = (is_norm_layer,)
+
+
+def _matcher(keep_fp32):
+    items = DEFAULT_KEEP_FP32 if keep_fp32 is None else (
+        (keep_fp32,) if isinstance(keep_fp32, (str, type)) or callable(keep_fp32)
+        else tuple(keep_fp32))
+    for item in items:
+        if not (isinstance(item, (str, type)) or callable(item)):
+            raise TypeError("keep_fp32 items must be module types, module-name patterns (str) or "
+                            f"callables (name, module) -> bool, got {item!r}")
+
+    def keep(name: str, module: nn.Module) -> bool:
+        for item in items:
+            if isinstance(item, type):
+                if isinstance(module, item):
+                    return True
+            elif isinstance(item, str):
+                if name == item or fnmatch.fnmatchcase(name, item):
+                    return True
+            elif item(name, module):
+                return True
+        return False
+    return keep
+
+
+def _fp32_islands(model: nn.Module, keep_fp32) -> list[tuple[str, nn.Module]]:
+    """The outermost modules to keep in fp32 (a kept module's submodules are inside its island)."""
+    keep = _matcher(keep_fp32)
+    islands: list[tuple[str, nn.Module]] = []
+    inside: set[int] = set()
+    for name, module in model.named_modules():
+        if id(module) in inside:
+            continue
+        if keep(name, module):
+            islands.append((name, module))
+            inside.update(id(m) for m in module.modules())
+    return islands
+
+
+def _map_tensors(obj, fn):
+    """obj with fn applied to every tensor in tuples/lists/dicts (containers rebuilt only when
+    something changed; dict subclasses such as Hugging Face ``ModelOutput`` are updated in
+    place)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, (tuple, list)):
+        items = [_map_tensors(v, fn) for v in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        if isinstance(obj, list):
+            return items
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, dict):
+        new = {k: _map_tensors(v, fn) for k, v in obj.items()}
+        if all(new[k] is obj[k] for k in obj):
+            return obj
+        if type(obj) is dict:
+            return new
+        for k, v in new.items():
+            if v is not obj[k]:
+                obj[k] = v
+        return obj
+    return obj
+
+
+def _caster(src: tuple, dst: torch.dtype):
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dst) if t.dtype in src else t
+    return cast
+
+
+_TO_FP32 = _caster(_HALF, torch.float32)
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except RuntimeError:  # a device type without autocast (meta, ...)
+        return False
+
+
+def _island_pre_hook(module, args, kwargs):
+    # Push first, so the post hook (always called) finds its entry even if a cast below fails.
+    stack = module.__dict__.setdefault("_mpfused_autocast_stack", [])
+    types = {t.device.type for t in module.parameters()} or {"cpu"}
+    for arg in list(args) + list(kwargs.values()):
+        if isinstance(arg, torch.Tensor):
+            types.add(arg.device.type)
+    restore = [t for t in sorted(types) if _autocast_enabled(t)]
+    stack.append(restore)
+    for t in restore:  # an fp32 island computes in fp32, also under autocast
+        torch.set_autocast_enabled(t, False)
+    return _map_tensors(args, _TO_FP32), _map_tensors(kwargs, _TO_FP32)
+
+
+def _island_post_hook(dtype, module, args, output):
+    stack = module.__dict__.get("_mpfused_autocast_stack")
+    if stack:
+        for t in stack.pop():
+            torch.set_autocast_enabled(t, True)
+    return _map_tensors(output, _caster((torch.float32,), dtype))
+
+
+def _inputs_pre_hook(dtype, module, args, kwargs):
+    cast = _caster((torch.float32,), dtype)
+    return _map_tensors(args, cast), _map_tensors(kwargs, cast)
+
+
+def _outputs_post_hook(module, args, output):
+    return _map_tensors(output, _TO_FP32)
+
+
+@dataclass
+class CastInfo:
+    """What ``cast_model`` did; kept as ``model._mpfused_amp``."""
+    dtype: torch.dtype
+    fp32_modules: tuple
+    fp32_outputs: bool
+    cast_inputs: bool
+    handles: tuple
+
+
+def cast_model(model: nn.Module, dtype, keep_fp32=None, fp32_outputs: bool = False, *,
+               cast_inputs: bool = True) -> nn.Module:
+    """Cast ``model`` in place to ``dtype`` (fp16/bf16) except its fp32 islands; returns it.
+
+    ``keep_fp32``: which modules stay fp32 (with all their submodules) — module types, names
+    or ``fnmatch`` patterns of qualified module names (``"lm_head"``, ``"*.norm"``) and/or
+    callables ``(name, module) -> bool``. Default: normalization layers (``is_norm_layer``);
+    ``()`` keeps nothing.
+
+    Forward hooks on every island cast fp16/bf16 tensor inputs to fp32, run the island with
+    autocast disabled, and cast its fp32 outputs back to ``dtype`` (so a bf16 activation entering
+    an fp32 LayerNorm is normalized in fp32 and leaves as bf16). On the model itself,
+    ``cast_inputs`` casts fp32 tensor inputs to ``dtype`` (integer inputs are untouched) and
+    ``fp32_outputs=True`` returns fp32 outputs (tensors in tuples, lists and dicts, including
+    Hugging Face ``ModelOutput``).
+
+    Calling it again replaces the previous hooks. A later ``model.to(dtype)`` casts the islands
+    too. Floating buffers follow the weights (BatchNorm running stats of islands stay fp32).
+    """
+    dtype = resolve_dtype(dtype, _module_device(model))
+    previous = getattr(model, "_mpfused_amp", None)
+    if previous is not None:
+        for handle in previous.handles:
+            handle.remove()
+    islands = _fp32_islands(model, keep_fp32) if dtype != torch.float32 else []
+    in_island = {id(m) for _, island in islands for m in island.modules()}
+
+    def to(target):
+        return lambda t: t.to(target) if t.is_floating_point() else t
+
+    for module in model.modules():
+        if id(module) not in in_island:
+            module._apply(to(dtype), recurse=False)
+    for _, island in islands:  # after the rest: a weight shared with an island stays fp32
+        island._apply(to(torch.float32))
+
+    handles = []
+    if not (len(islands) == 1 and islands[0][1] is model):  # the whole model kept fp32: no hooks
+        for _, island in islands:
+            handles.append(island.register_forward_pre_hook(_island_pre_hook, with_kwargs=True))
+            handles.append(island.register_forward_hook(
+                functools.partial(_island_post_hook, dtype), always_call=True))
+        if cast_inputs and dtype != torch.float32:
+            handles.append(model.register_forward_pre_hook(
+                functools.partial(_inputs_pre_hook, dtype), with_kwargs=True))
+    if fp32_outputs:
+        handles.append(model.register_forward_hook(_outputs_post_hook))
+    model._mpfused_amp = CastInfo(dtype=dtype, fp32_modules=tuple(n for n, _ in islands),
+                                  fp32_outputs=fp32_outputs, cast_inputs=cast_inputs,
+                                  handles=tuple(handles))
+    return model
+
+
+# ---- autocast --------------------------------------------------------------------------------
+def autocast(model_or_device, dtype=None, *, enabled: bool = True, cache_enabled=None):
+    """``torch.autocast`` for a model (its device; the dtype ``cast_model``/``setup`` chose) or a
+    device (``"cuda"``, ``torch.device("cpu")``, ...). ``dtype=None`` picks bf16 where the device
+    supports it, else fp16; an fp32 recipe gives a disabled context::
+
+        with mpfused.amp.autocast(model):
+            loss = loss_fn(model(x), y)
+    """
+    if isinstance(model_or_device, nn.Module):
+        device = _module_device(model_or_device)
+        info = getattr(model_or_device, "_mpfused_amp", None)
+        if dtype is None and info is not None:
+            dtype = info.dtype
+    else:
+        device = torch.device(model_or_device)
+    dtype = resolve_dtype(dtype, device)
+    if dtype == torch.float32:
+        return torch.autocast(device.type, enabled=False)
+    return torch.autocast(device.type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+
+# ---- setup -----------------------------------------------------------------------------------
+_OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "adamw8bit": "AdamW8bit", "adam8bit": "Adam8bit"}
+
+
+def _optimizer_class(optimizer):
+    if isinstance(optimizer, type):
+        return optimizer
+    import mpfused
+    name = _OPTIMIZERS.get(str(optimizer).lower().replace("_", "").replace("-", ""))
+    if name is None:
+        raise ValueError(f"optimizer must be one of {sorted(_OPTIMIZERS)} or an optimizer class, "
+                         f"got {optimizer!r}")
+    cls = getattr(mpfused, name, None)
+    if cls is None:
+        raise ImportError(f"mpfused.{name} is not available in this build of mpfused")
+    return cls
+
+
+def _enable_tf32() -> None:
+    # "high": fp32 matmuls may use TF32 (CUDA) or the backend's equivalent; process-wide.
+    torch.set_float32_matmul_precision("high")
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+
+
+def setup(model: nn.Module, optimizer="adamw", dtype="auto", lr=1e-3, weight_decay=1e-2,
+          device=None, tf32: bool = False, master_weights: str = "fp32", *, keep_fp32=None,
+          fp32_outputs: bool = False, scaler_kwargs: dict | None = None, **optimizer_kwargs):
+    """One call: ``(model, optimizer, scaler)`` configured for the device.
+
+    * ``model`` is moved to ``device`` (default: where it is) and cast by ``cast_model`` to
+      ``dtype``: ``"auto"`` = bf16 where supported, else fp16; ``"fp32"`` leaves it fp32.
+    * ``optimizer``: ``"adamw"``, ``"adam"``, ``"adamw8bit"``, ``"adam8bit"`` (mpfused classes) or
+      a class, built on ``model.parameters()`` with ``lr``, ``weight_decay``, ``master_weights``
+      (``"fp32"``, ``"remainder"`` (bf16 only) or ``"none"``) and ``optimizer_kwargs``.
+    * ``scaler``: ``mpfused.GradScaler(device.type)``, enabled for fp16 only (bf16 and fp32 need no
+      loss scaling; a disabled scaler passes through, so the loop is the same).
+    * ``tf32=True`` lets fp32 matmuls use TF32 (``torch.set_float32_matmul_precision("high")``,
+      ``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``); these are
+      process-wide settings. ``tf32=False`` leaves them as they are.
+    """
+    from mpfused.grad_scaler import GradScaler
+    device = _module_device(model) if device is None else torch.device(device)
+    dtype = resolve_dtype(dtype, device)
+    if master_weights == "remainder" and dtype != torch.bfloat16:
+        raise ValueError(f"master_weights='remainder' needs bf16 weights, but the dtype is {dtype}"
+                         " (on this device 'auto' resolves to fp16: use master_weights='fp32')")
+    opt_class = _optimizer_class(optimizer)
+    if tf32:
+        _enable_tf32()
+    model.to(device)
+    cast_model(model, dtype, keep_fp32=keep_fp32, fp32_outputs=fp32_outputs)
+    opt = opt_class(model.parameters(), lr=lr, weight_decay=weight_decay,
+                    master_weights=master_weights, **optimizer_kwargs)
+    scaler = GradScaler(device.type, enabled=dtype == torch.float16, **(scaler_kwargs or {}))
+    return model, opt, scaler
+
+
+# ---- estimate_memory -------------------------------------------------------------------------
+# recipe -> (description, 16-bit weights?, master bytes per 16-bit param, 8-bit state?)
+RECIPES = {
+    "native": ("fp32 weights + autocast, fp32 moments (torch.amp)", False, 0, False),
+    "master": ("16-bit weights + fp32 master + fp32 moments", True, 4, False),
+    "remainder": ("bf16 weights + int16 remainder + fp32 moments", True, 2, False),
+    "no-master": ("16-bit weights (stochastic rounding) + fp32 moments", True, 0, False),
+    "8bit": ("16-bit weights + fp32 master + 8-bit moments", True, 4, True),
+    "8bit-remainder": ("bf16 weights + int16 remainder + 8-bit moments", True, 2, True),
+    "8bit-no-master": ("16-bit weights (stochastic rounding) + 8-bit moments", True, 0, True),
+}
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Training-state bytes of one recipe (weights, grads, master weights, optimizer state)."""
+    recipe: str
+    description: str
+    num_params: int
+    weights: int
+    grads: int
+    master: int
+    optimizer_state: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.grads + self.master + self.optimizer_state
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.total / max(self.num_params, 1)
+
+    def per_param(self) -> dict:
+        n = max(self.num_params, 1)
+        return {k: getattr(self, k) / n for k in
+                ("weights", "grads", "master", "optimizer_state", "total")}
+
+    def __str__(self) -> str:
+        rows = [f"recipe {self.recipe!r} ({self.description}), {self.num_params:,} params"]
+        for key, value in self.per_param().items():
+            label = key.replace("_", " ")
+            rows.append(f"  {label:<16}{value:6.2f} B/param  {_fmt_bytes(getattr(self, key)):>12}")
+        return "\n".join(rows)
+
+
+def _8bit_state_bytes(numel: int, block_size: int) -> int:
+    return 2 * numel + 2 * 4 * math.ceil(numel / block_size)
+
+
+def estimate_memory(model_or_param_count, recipe: str = "master", *, keep_fp32=None,
+                    block_size: int = 256, min_8bit_size: int = 4096) -> MemoryEstimate:
+    """Bytes of weights, grads, master weights and optimizer state for a recipe (``RECIPES``):
+
+    =================  =======  =====  ======  =====  =====
+    recipe             weights  grads  master  state  total
+    =================  =======  =====  ======  =====  =====
+    ``native``         4        4      0       8      16
+    ``master``         2        2      4       8      16
+    ``remainder``      2        2      2       8      14
+    ``no-master``      2        2      0       8      12
+    ``8bit``           2        2      4       2.03   ~10
+    ``8bit-remainder`` 2        2      2       2.03   ~8
+    ``8bit-no-master`` 2        2      0       2.03   ~6
+    =================  =======  =====  ======  =====  =====
+
+    For a parameter count these are the per-parameter figures. For a model every parameter is
+    counted once (tied weights too): fp32 islands (``keep_fp32``, as ``cast_model``; for a model
+    already cast, its fp32 params) take 4 B weights and grads and no master; params with fewer
+    than ``min_8bit_size`` elements keep fp32 moments in the 8-bit recipes; each param adds a
+    4-byte step counter and each 8-bit state one fp32 absmax per ``block_size`` elements; frozen
+    params count as weights only. Activations, autocast's cast cache, temporaries and allocator
+    slack are not included.
+    """
+    if recipe not in RECIPES:
+        raise ValueError(f"recipe must be one of {list(RECIPES)}, got {recipe!r}")
+    description, half, master_b, eight = RECIPES[recipe]
+    w_b = 2 if half else 4
+    if isinstance(model_or_param_count, nn.Module):
+        return _estimate_model(model_or_param_count, recipe, keep_fp32, block_size, min_8bit_size)
+    n = int(model_or_param_count)
+    state_b = 2 * (1 + 4 / block_size) if eight else 8
+    return MemoryEstimate(recipe, description, n, w_b * n, w_b * n, master_b * n,
+                          round(state_b * n))
+
+
+def _estimate_model(model, recipe, keep_fp32, block_size, min_8bit_size) -> MemoryEstimate:
+    description, half, master_b, eight = RECIPES[recipe]
+    params, seen = [], set()
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            params.append(p)
+    if getattr(model, "_mpfused_amp", None) is not None or any(p.dtype in _HALF for p in params):
+        fp32_ids = {id(p) for p in params if p.dtype == torch.float32}
+    else:
+        fp32_ids = {id(p) for _, m in _fp32_islands(model, keep_fp32) for p in m.parameters()}
+    weights = grads = master = state = 0
+    for p in params:
+        n = p.numel()
+        is_half = half and id(p) not in fp32_ids
+        b = 2 if is_half else 4
+        weights += b * n
+        if not p.requires_grad:
+            continue
+        grads += b * n
+        master += master_b * n if is_half else 0
+        state += 4  # step
+        state += _8bit_state_bytes(n, block_size) if eight and n >= min_8bit_size else 8 * n
+    return MemoryEstimate(recipe, description, sum(p.numel() for p in params), weights, grads,
+                          master, state)
