@@ -4,8 +4,6 @@ float64, round the new moments to float32, take their block absmax and requantiz
 moment lies within rounding of a decision threshold."""
 from __future__ import annotations
 
-import math
-
 import torch
 
 from mpfused.quant_maps import dequantize_blockwise, quantize_blockwise
@@ -47,8 +45,11 @@ def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, mas
         v = dequantize_blockwise(exp_avg_sqs[i], absmax2s[i], qmap2, block_size).double()
         m = m + (1 - beta1) * (g - m)
         v = beta2 * v + (1 - beta2) * g * g
-        denom = v.sqrt() / math.sqrt(1 - beta2**t) + eps
-        w = w - (lr / (1 - beta1**t)) * m / denom
+        # float64 tensors: beta = 1 gives inf/NaN, not a Python ZeroDivisionError
+        bc1 = 1 - torch.tensor(beta1, dtype=torch.float64) ** t
+        bc2 = 1 - torch.tensor(beta2, dtype=torch.float64) ** t
+        denom = v.sqrt() / bc2.sqrt() + eps
+        w = w - (lr / bc1) * m / denom
         c1, a1 = quantize_blockwise(m.float(), qmap1, block_size, keep_negative=True)
         c2, a2 = quantize_blockwise(v.float(), qmap2, block_size, keep_negative=False)
         exp_avgs[i].copy_(c1)

@@ -1,0 +1,173 @@
+"""CPU step time of 8-bit AdamW implementations, and their optimizer-state bytes per parameter.
+
+Compares mpfused.AdamW8bit (native CPU kernel) with bitsandbytes.optim.AdamW8bit,
+torchao.optim.AdamW8bit, torch.optim.AdamW(fused=True) (fp32 state: the speed reference) and
+mpfused.AdamW (fp32 state). Each model size is a list of 512x512 weights plus a 512-element bias
+per weight (biases are below min_8bit_size and keep fp32 state everywhere). Grads are set once;
+every optimizer runs `--warmup` steps (torchao compiles there), then the optimizers take turns
+(`--rounds` rounds of `--steps` steps each, so a change of machine load hits all of them) and the
+median step time is reported. Bytes/param counts each distinct state tensor once, for the large
+(8-bit) tensors only and for the whole model.
+
+Writes benchmarks/results/bench_adamw8bit_<device>_<date>.{json,csv}. Not a test:
+    python benchmarks/bench_adamw8bit.py --sizes 1e6 1e7
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import statistics
+import time
+import warnings
+
+import torch
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def _device_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def _model(numel: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    k = max(1, round(numel / (512 * 512 + 512)))
+    params = []
+    for _ in range(k):
+        params.append(torch.nn.Parameter(torch.randn(512, 512, generator=g) * 0.02))
+        params.append(torch.nn.Parameter(torch.zeros(512)))
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+    return params
+
+
+def _inner_tensors(t: torch.Tensor):
+    """A state tensor, or the plain tensors inside a tensor subclass (torchao OptimState8bit)."""
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor:
+        names, _ = t.__tensor_flatten__()
+        for name in names:
+            yield from _inner_tensors(getattr(t, name))
+    else:
+        yield t
+
+
+def _state_bytes(opt, params) -> int:
+    seen, total = set(), 0
+    for p in params:
+        for v in opt.state.get(p, {}).values():
+            if not isinstance(v, torch.Tensor):
+                continue
+            for t in _inner_tensors(v):
+                key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+                if key not in seen:
+                    seen.add(key)
+                    total += t.numel() * t.element_size()
+    return total
+
+
+def _optimizers():
+    import mpfused
+    makers = {
+        "mpfused.AdamW8bit": lambda ps: mpfused.AdamW8bit(ps, lr=1e-3),
+        "torch.AdamW(fused)": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True),
+        "mpfused.AdamW": lambda ps: mpfused.AdamW(ps, lr=1e-3),
+    }
+    try:
+        import bitsandbytes as bnb
+        makers["bnb.AdamW8bit"] = lambda ps: bnb.optim.AdamW8bit(ps, lr=1e-3)
+    except Exception as exc:  # noqa: BLE001  (optional peer)
+        warnings.warn(f"bitsandbytes unavailable: {exc}")
+    try:
+        from torchao.optim import AdamW8bit as AoAdamW8bit
+        makers["torchao.AdamW8bit"] = lambda ps: AoAdamW8bit(ps, lr=1e-3)
+    except Exception as exc:  # noqa: BLE001
+        warnings.warn(f"torchao unavailable: {exc}")
+    return makers
+
+
+def bench(sizes, steps, rounds, warmup):
+    makers = _optimizers()
+    rows = []
+    for size in sizes:
+        runs = {}
+        for name, make in makers.items():
+            params = _model(size)
+            opt = make(params)
+            t0 = time.perf_counter()
+            for _ in range(warmup):
+                opt.step()
+            runs[name] = dict(params=params, opt=opt, times=[],
+                              warmup_s=time.perf_counter() - t0)
+        for _ in range(rounds):
+            for name, r in runs.items():
+                for _ in range(steps):
+                    t0 = time.perf_counter()
+                    r["opt"].step()
+                    r["times"].append(time.perf_counter() - t0)
+        numel = sum(p.numel() for p in runs["torch.AdamW(fused)"]["params"])
+        ref = statistics.median(runs["torch.AdamW(fused)"]["times"])
+        for name, r in runs.items():
+            med = statistics.median(r["times"])
+            big = [p for p in r["params"] if p.dim() == 2]
+            rows.append(dict(
+                optimizer=name, params=numel, tensors=len(r["params"]),
+                median_ms=med * 1e3, p10_ms=statistics.quantiles(r["times"], n=10)[0] * 1e3,
+                mparam_per_s=numel / med / 1e6, vs_torch_fused=med / ref,
+                state_bytes_per_param_large=_state_bytes(r["opt"], big) / sum(p.numel() for p in big),
+                state_bytes_per_param_all=_state_bytes(r["opt"], r["params"]) / numel,
+                warmup_s=r["warmup_s"], steps_timed=len(r["times"])))
+            print(f"{numel / 1e6:6.2f}M  {name:20s} {med * 1e3:9.2f} ms  "
+                  f"{numel / med / 1e6:8.1f} Mparam/s  x{med / ref:5.2f} vs torch fused  "
+                  f"{rows[-1]['state_bytes_per_param_large']:.3f} B/param (large tensors)",
+                  flush=True)
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", type=float, nargs="+", default=[1e6, 1e7])
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", default=RESULTS)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = bench([int(s) for s in args.sizes], args.steps, args.rounds, args.warmup)
+    import mpfused
+    meta = dict(device=_device_name(), threads=torch.get_num_threads(), torch=torch.__version__,
+                mpfused=mpfused.__version__, date=datetime.datetime.now().isoformat(timespec="seconds"),
+                load_average=os.getloadavg(), steps=args.steps, rounds=args.rounds,
+                warmup=args.warmup)
+    for mod in ("bitsandbytes", "torchao"):
+        try:
+            meta[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            meta[mod] = None
+    os.makedirs(args.out, exist_ok=True)
+    tag = "".join(c if c.isalnum() else "-" for c in meta["device"]).strip("-")
+    tag = "-".join(filter(None, tag.split("-")))[:40]
+    stem = os.path.join(args.out, f"bench_adamw8bit_{tag}_{datetime.date.today().isoformat()}")
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(meta=meta, results=rows), f, indent=2)
+    with open(stem + ".csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    print(f"wrote {stem}.json and .csv")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+#include "adam8bit_cpu.h"
+
+#include <omp.h>
+
+#include <cstring>
+#include <memory>
+#include <mutex>
+
+#include "mpfused/quant8_math.h"
+#include "parallel.h"
+
+// Per-ISA builds of the chunk kernel (AVX-512, AVX2+FMA, baseline), picked once at run time.
+// Not MPF_CPU_MULTIVERSION: target_clones clones get GCC's generic tuning, which never emits
+// hardware gathers and emulates the table lookups with scalar loads (about 2x slower here).
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define MPF_8BIT_ISAS 1
+#define MPF_8BIT_V4 __attribute__((target("arch=x86-64-v4,tune=icelake-server,prefer-vector-width=512")))
+#define MPF_8BIT_V3 __attribute__((target("arch=x86-64-v3,tune=haswell")))
+#else
+#define MPF_8BIT_ISAS 0
+#endif
+
+namespace mpfused::cpu {
+namespace {
+
+constexpr int64_t kMaxBlock = 4096;
+constexpr int64_t kTile = 256;
+static_assert(kChunkSize % kMaxBlock == 0, "chunks must hold whole quantization blocks");
+
+// Encoding tables per map, built once per distinct map (a few tens of microseconds) and kept.
+const Quant8Lut& encoder_for(const float* map) {
+  static std::mutex mu;
+  static std::vector<std::pair<std::vector<float>, std::unique_ptr<Quant8Lut>>> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  for (auto& [key, lut] : cache)
+    if (std::memcmp(key.data(), map, sizeof(float) * kQuantCodes) == 0) return *lut;
+  auto lut = std::make_unique<Quant8Lut>();
+  quant8_build_lut(map, *lut);
+  cache.emplace_back(std::vector<float>(map, map + kQuantCodes), std::move(lut));
+  return *cache.back().second;
+}
+
+struct Maps {
+  const float* map1;
+  const float* map2;
+  const Quant8Lut* enc1;
+  const Quant8Lut* enc2;
+  float thr1[kQuantCodes];  // binary-search thresholds: the fallback when a LUT is not exact
+  float thr2[kQuantCodes];
+  int32_t zero_code1;
+};
+
+// The fp32 value w of a parameter and its store back, per master mode (adam_math.h helpers).
+template <typename T, int MODE>
+MPF_HD float load_w(const T* p, const float* master, const int16_t* rem, int64_t i) {
+  if constexpr (MODE == kFp32Master) return master[i];
+  else if constexpr (MODE == kRemainder) return remainder_join(reinterpret_cast<const uint16_t*>(p)[i], rem[i]);
+  else return to_f32(p[i]);
+}
+
+template <typename T, int MODE>
+MPF_HD void store_w(float w, T* p, float* master, int16_t* rem, int64_t i, uint64_t seed,
+                    int64_t tensor, int64_t index) {
+  if constexpr (MODE == kFp32Master) {
+    master[i] = w;
+    p[i] = from_f32<T>(w);
+  } else if constexpr (MODE == kRemainder) {
+    uint16_t hi;
+    int16_t lo;
+    remainder_split(w, hi, lo);
+    reinterpret_cast<uint16_t*>(p)[i] = hi;
+    rem[i] = lo;
+  } else if constexpr (MODE == kStochastic) {
+    reinterpret_cast<uint16_t*>(p)[i] = bf16_bits_stochastic(w, random16(seed, uint64_t(tensor), uint64_t(index)));
+  } else {
+    p[i] = from_f32<T>(w);
+  }
+}
+
+// One chunk (whole quantization blocks) of one tensor. Per block: pass 1 dequantizes with the old
+// absmax, runs the fp32 Adam update (the param gets this step's unquantized moments) and takes
+// the new absmax of the updated moments; pass 2 requantizes them with the new absmax.
+template <typename T, int MODE, bool LUT>
+MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t block,
+                           const AdamScalars& s, const Maps& mp, uint64_t seed, int64_t tensor) {
+  T* __restrict p = static_cast<T*>(ops[kQParam]) + begin;
+  const T* __restrict g = static_cast<const T*>(ops[kQGrad]) + begin;
+  uint8_t* __restrict c1 = static_cast<uint8_t*>(ops[kQExpAvg]) + begin;
+  uint8_t* __restrict c2 = static_cast<uint8_t*>(ops[kQExpAvgSq]) + begin;
+  float* __restrict master = MODE == kFp32Master ? static_cast<float*>(ops[kQMaster]) + begin : nullptr;
+  int16_t* __restrict rem = MODE == kRemainder ? static_cast<int16_t*>(ops[kQMaster]) + begin : nullptr;
+  float* __restrict absmax1 = static_cast<float*>(ops[kQAbsmax1]);
+  float* __restrict absmax2 = static_cast<float*>(ops[kQAbsmax2]);
+  const float* __restrict map1 = mp.map1;
+  const float* __restrict map2 = mp.map2;
+  const int32_t zc = mp.zero_code1;
+  const float* __restrict thr1 = mp.thr1;
+  const float* __restrict thr2 = mp.thr2;
+  const int32_t* __restrict lut1 = mp.enc1->lut;
+  const int32_t* __restrict lut2 = mp.enc2->lut;
+  // Codes are widened to / narrowed from int32 in tiles so that the table lookups are 32-bit
+  // gathers (compilers emulate gathers with 8-bit indices element by element).
+  alignas(64) float mb[kMaxBlock];
+  alignas(64) float vb[kMaxBlock];
+  alignas(64) int32_t k1[kTile];
+  alignas(64) int32_t k2[kTile];
+
+  for (int64_t b0 = 0; b0 < n; b0 += block) {
+    const int64_t len = n - b0 < block ? n - b0 : block;
+    const int64_t blk = (begin + b0) / block;
+    const float a1 = absmax1[blk], a2 = absmax2[blk];
+    float am1 = 0.f, am2 = 0.f;
+    for (int64_t t0 = 0; t0 < len; t0 += kTile) {
+      const int64_t tl = len - t0 < kTile ? len - t0 : kTile;
+      const int64_t o = b0 + t0;
+#pragma omp simd
+      for (int64_t j = 0; j < tl; ++j) {
+        k1[j] = c1[o + j];
+        k2[j] = c2[o + j];
+      }
+#pragma omp simd reduction(max : am1, am2)
+      for (int64_t j = 0; j < tl; ++j) {
+        const int64_t i = o + j;
+        float w = load_w<T, MODE>(p, master, rem, i);
+        float m = quant8_decode(map1, k1[j], a1);
+        float v = quant8_decode(map2, k2[j], a2);
+        float unused = 0.f;
+        adam_element<false>(w, to_f32(g[i]), m, v, unused, s);
+        store_w<T, MODE>(w, p, master, rem, i, seed, tensor, begin + i);
+        mb[t0 + j] = m;
+        vb[t0 + j] = v;
+        am1 = am1 > fabsf(m) ? am1 : fabsf(m);
+        am2 = am2 > fabsf(v) ? am2 : fabsf(v);
+      }
+    }
+    absmax1[blk] = am1;
+    absmax2[blk] = am2;
+    const float r1 = quant8_inv_scale(am1), r2 = quant8_inv_scale(am2);
+    for (int64_t t0 = 0; t0 < len; t0 += kTile) {
+      const int64_t tl = len - t0 < kTile ? len - t0 : kTile;
+      const float* __restrict mt = mb + t0;
+      const float* __restrict vt = vb + t0;
+#pragma omp simd
+      for (int64_t j = 0; j < tl; ++j) {
+        const float x1 = mt[j] * r1;
+        const float x2 = vt[j] * r2;
+        int32_t q1, q2;
+        if constexpr (LUT) {
+          q1 = quant8_encode_lut(lut1, x1);
+          q2 = quant8_encode_lut(lut2, x2);
+        } else {
+          q1 = quant8_encode(thr1, x1);
+          q2 = quant8_encode(thr2, x2);
+        }
+        k1[j] = quant8_keep_negative(q1, mt[j], zc);
+        k2[j] = q2;
+      }
+      const int64_t o = b0 + t0;
+#pragma omp simd
+      for (int64_t j = 0; j < tl; ++j) {
+        c1[o + j] = uint8_t(k1[j]);
+        c2[o + j] = uint8_t(k2[j]);
+      }
+    }
+  }
+}
+
+#define MPF_8BIT_CHUNK_ARGS                                                                     \
+  void* const* ops, int64_t begin, int64_t n, int64_t block, const AdamScalars& s,              \
+      const Maps& mp, uint64_t seed, int64_t tensor
+using ChunkFn = void (*)(MPF_8BIT_CHUNK_ARGS);
+
+template <typename T, int MODE, bool LUT>
+void chunk_base(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT>(ops, begin, n, block, s, mp, seed, tensor); }
+#if MPF_8BIT_ISAS
+template <typename T, int MODE, bool LUT>
+MPF_8BIT_V3 void chunk_v3(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT>(ops, begin, n, block, s, mp, seed, tensor); }
+template <typename T, int MODE, bool LUT>
+MPF_8BIT_V4 void chunk_v4(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT>(ops, begin, n, block, s, mp, seed, tensor); }
+#endif
+
+// The table-driven encode on the fastest ISA; maps the tables cannot encode exactly (never the
+// bitsandbytes maps) take the binary search, baseline build only.
+template <typename T, int MODE>
+ChunkFn pick_lut(bool lut) {
+  if (!lut) return &chunk_base<T, MODE, false>;
+#if MPF_8BIT_ISAS
+  static const int level = __builtin_cpu_supports("x86-64-v4") ? 4 : __builtin_cpu_supports("x86-64-v3") ? 3 : 0;
+  if (level == 4) return &chunk_v4<T, MODE, true>;
+  if (level == 3) return &chunk_v3<T, MODE, true>;
+#endif
+  return &chunk_base<T, MODE, true>;
+}
+
+ChunkFn pick_kernel(int32_t dtype, int mode, bool lut) {
+  switch (dtype) {
+    case kFloat32: return pick_lut<float, kNoMaster>(lut);  // fp32 params are their own master
+    case kFloat16: return mode == kFp32Master ? pick_lut<f16_t, kFp32Master>(lut) : pick_lut<f16_t, kNoMaster>(lut);
+    default:
+      switch (mode) {
+        case kFp32Master: return pick_lut<bf16_t, kFp32Master>(lut);
+        case kRemainder: return pick_lut<bf16_t, kRemainder>(lut);
+        case kStochastic: return pick_lut<bf16_t, kStochastic>(lut);
+        default: return pick_lut<bf16_t, kNoMaster>(lut);
+      }
+  }
+}
+
+}  // namespace
+
+void adam8bit_step(const TensorLists<7>& t, const double* step, const Adam8bitConfig& c,
+                   int num_threads) {
+  if (t.size == 0) return;
+  Maps mp{c.map1, c.map2, &encoder_for(c.map1), &encoder_for(c.map2), {}, {}, c.zero_code1};
+  quant8_thresholds(c.map1, mp.thr1);
+  quant8_thresholds(c.map2, mp.thr2);
+  const bool lut = mp.enc1->exact && mp.enc2->exact;
+  const std::vector<Chunk> chunks = make_chunks(t.numel, t.size);  // block-aligned (static_assert)
+  std::vector<AdamScalars> scalars(size_t(t.size));
+  std::vector<ChunkFn> kernels(size_t(t.size));
+  std::vector<uint64_t> seeds(size_t(t.size));
+  for (int64_t i = 0; i < t.size; ++i) {
+    scalars[i] = adam_scalars(c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, c.decoupled,
+                              c.maximize, c.grad_mult, step[i]);
+    kernels[i] = pick_kernel(t.dtype[i], c.master_mode, lut);
+    seeds[i] = step_seed(c.seed, step[i]);
+  }
+  const int64_t nc = int64_t(chunks.size());
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (nc > 1)
+  for (int64_t k = 0; k < nc; ++k) {
+    const Chunk& ch = chunks[k];
+    void* ops[7];
+    for (int d = 0; d < 7; ++d) ops[d] = t.data[d][ch.tensor];
+    kernels[ch.tensor](ops, ch.begin, ch.end - ch.begin, c.block_size, scalars[ch.tensor], mp,
+                       seeds[ch.tensor], ch.tensor);
+  }
+}
+
+}  // namespace mpfused::cpu

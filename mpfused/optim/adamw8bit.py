@@ -1,0 +1,467 @@
+"""``mpfused.AdamW8bit`` / ``mpfused.Adam8bit``: AdamW / Adam with block-wise 8-bit moments
+(about 2.03 B/param of state instead of 8), in the format of bitsandbytes >= 0.44.
+
+Encoding (csrc/include/mpfused/quant8_math.h, mpfused/quant_maps.py)
+--------------------------------------------------------------------
+* ``exp_avg`` is stored as uint8 codes into bitsandbytes' signed dynamic map, ``exp_avg_sq``
+  into its unsigned map (``create_dynamic_map``, byte-equal to bnb's; 256 sorted float32 values,
+  exact 0 at code 127 / 0, max 1.0).
+* Each state tensor is cut into blocks of ``block_size`` consecutive elements (row-major order of
+  the param; the last block may be short) with one float32 ``absmax`` per block:
+  ``value = map[code] * absmax[block]``.
+* A step dequantizes with the old absmax, updates in float32 exactly like ``mpfused.AdamW``
+  (torch's decoupled decay before the update, torch's bias correction), updates the param with
+  these unquantized new moments, takes each block's new absmax from the updated moments and
+  stores ``code = nearest map entry to m * (1/absmax)`` (ties to the lower code; the decision is
+  exact). bitsandbytes' sign rule: a negative first moment that rounds to 0 is stored one code
+  below 0, so it never comes back as 0 or positive.
+* bitsandbytes' CUDA kernel decays after the update (its CPU and Triton paths, torch and torchao
+  before) and divides per element; states stay interchangeable (same maps and block layout).
+
+Which params get 8-bit state
+----------------------------
+Params with fewer than ``min_8bit_size`` elements (default 4096, judged on the whole logical
+param, also for DTensors) keep fp32 moments and take the ``mpfused.AdamW`` kernel, as do params of
+a group with ``optim_bits=32`` and params registered with ``keep_32bit_state(module_or_params)``
+(bnb's ``GlobalOptimManager.register_module_override(..., {"optim_bits": 32})``, e.g. embeddings).
+A change of these settings converts the existing state at the next step.
+
+State and checkpoints
+---------------------
+Per 8-bit param: ``step`` (float32 0-d tensor), ``exp_avg`` / ``exp_avg_sq`` (uint8, the local
+param's shape), ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` (float32, ceil(numel / block_size)),
+plus ``master`` / ``master_remainder`` as ``mpfused.AdamW``. ``state_dict()`` adds
+``"mpfused_8bit": {"version", "signed_map", "unsigned_map"}``; ``block_size`` is a group
+setting. ``load_state_dict`` restores every tensor with its own dtype (never cast to the
+param's), from any ``map_location``, and rejects a block size, shape or absmax length that does
+not match, naming the param and the rule. It also accepts a ``torch.optim.AdamW``/``Adam``
+state_dict (moments are quantized) and a bitsandbytes ``AdamW8bit`` one (``state1``/``absmax1``
+...; 256-element blocks). ``to_torch_state_dict()`` returns a state_dict that
+``torch.optim.AdamW`` (``Adam`` for ``Adam8bit``) loads, with dequantized fp32 moments;
+``from_torch_state_dict(sd)`` is ``load_state_dict(sd)``.
+
+Scaler contract and clipping are ``mpfused.AdamW``'s: ``grad_scale``/``found_inf``/
+``grad_norm_sq`` are read on device, a step with found_inf > 0 changes nothing (step counters
+included), ``max_grad_norm`` fuses clipping. bitsandbytes' legacy constructor arguments
+(``optim_bits``, ``args``, ``percentile_clipping``, ``block_wise``, ``is_paged``, ``max_unorm``,
+``skip_zeros``) are accepted and ignored (a warning when set to a non-default value);
+``amsgrad=True`` raises ValueError, as in bitsandbytes.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch
+
+from mpfused.ops import adam as adam_ops
+from mpfused.ops import adam8bit as adam8bit_ops
+from mpfused.optim._buckets import Bucket, GroupPlan, build_buckets, plan_key
+from mpfused.optim.adamw import MASTER_MODES, AdamW, _local, _on
+from mpfused.quant_maps import (SIGNED_ZERO_CODE, dequantize_blockwise, num_blocks,
+                                quantize_blockwise, signed_map, unsigned_map)
+
+__all__ = ["AdamW8bit", "Adam8bit", "keep_32bit_state", "BLOCK_SIZES", "FORMAT_VERSION"]
+
+BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)  # bitsandbytes' CUDA set
+FORMAT_VERSION = 1
+_BNB_BLOCK = 256  # bitsandbytes >= 0.44
+_LEGACY = {"optim_bits": 32, "args": None, "percentile_clipping": 100, "block_wise": True,
+           "is_paged": False, "max_unorm": 0.0, "skip_zeros": False}
+_8BIT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax")
+_BNB_KEYS = {"state1": "exp_avg", "state2": "exp_avg_sq", "absmax1": "exp_avg_absmax",
+             "absmax2": "exp_avg_sq_absmax"}
+_TORCH_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach",
+                     "capturable", "differentiable", "fused")
+
+# ---- per-param 32-bit override ---------------------------------------------------------------
+_KEEP32_MODULES: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+_OVERRIDES = [0]  # bumped on every registration: cached kernel plans are rebuilt
+
+
+def keep_32bit_state(module_or_params) -> None:
+    """Keep fp32 optimizer state for these params in every ``AdamW8bit``/``Adam8bit``: a module
+    (all its parameters, resolved at each step, so params replaced later, e.g. by FSDP2, are
+    covered), a parameter, or an iterable of either. The usual case is embeddings (8-bit
+    embedding state is known to destabilize training)."""
+    items = [module_or_params] if isinstance(module_or_params, (torch.nn.Module, torch.Tensor)) \
+        else list(module_or_params)
+    for item in items:
+        if isinstance(item, torch.nn.Module):
+            _KEEP32_MODULES.add(item)
+        elif isinstance(item, torch.Tensor):
+            item._mpfused_optim_bits = 32
+        else:
+            raise TypeError(f"keep_32bit_state takes modules or parameters, got {type(item)}")
+    _OVERRIDES[0] += 1
+
+
+def _kept_32bit_ids() -> set[int]:
+    return {id(p) for m in list(_KEEP32_MODULES) for p in m.parameters()}
+
+
+def _check_block_size(block_size, where: str = "block_size") -> None:
+    if block_size not in BLOCK_SIZES:
+        raise ValueError(f"{where} must be one of {BLOCK_SIZES} (a power of two from 64 to "
+                         f"4096, as bitsandbytes), got {block_size!r}")
+
+
+class AdamW8bit(AdamW):
+    def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
+                 block_size: int = 256, min_8bit_size: int = 4096, master_weights: str = "fp32",
+                 max_grad_norm: float | None = None, maximize: bool = False,
+                 capturable: bool = False, backend: str | None = None, seed: int = 0,
+                 foreach=None, fused=None, differentiable: bool = False, **legacy):
+        if amsgrad:
+            raise ValueError(f"{type(self).__name__} does not support amsgrad=True "
+                             "(as bitsandbytes); use mpfused.AdamW")
+        unknown = set(legacy) - set(_LEGACY)
+        if unknown:
+            raise TypeError(f"{type(self).__name__}() got unexpected keyword arguments "
+                            f"{sorted(unknown)}")
+        for key, value in legacy.items():
+            if value != _LEGACY[key] and not (key == "optim_bits" and value == 8):
+                warnings.warn(f"{type(self).__name__}: {key}={value!r} is a legacy "
+                              "bitsandbytes argument and is ignored", stacklevel=2)
+        _check_block_size(block_size)
+        if not isinstance(min_8bit_size, int) or min_8bit_size < 0:
+            raise ValueError(f"min_8bit_size must be an int >= 0, got {min_8bit_size!r}")
+        # Read by add_param_group, which super().__init__ calls.
+        self._8bit_defaults = dict(block_size=block_size, min_8bit_size=min_8bit_size,
+                                   optim_bits=8)
+        super().__init__(params, lr, betas, eps, weight_decay, False, maximize=maximize,
+                         capturable=capturable, master_weights=master_weights,
+                         max_grad_norm=max_grad_norm, backend=backend, seed=seed,
+                         foreach=foreach, fused=fused, differentiable=differentiable)
+        self.defaults.update(self._8bit_defaults)
+        self.register_state_dict_post_hook(_add_format)
+        self.register_load_state_dict_pre_hook(_check_and_stash_8bit, prepend=True)
+        self.register_load_state_dict_post_hook(_restore_8bit)
+
+    def add_param_group(self, param_group) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        for key, value in self._8bit_defaults.items():
+            group.setdefault(key, value)
+        _check_block_size(group["block_size"], "param group block_size")
+        if group["optim_bits"] not in (8, 32):
+            raise ValueError(f"param group optim_bits must be 8 or 32, got {group['optim_bits']!r}")
+        if group.get("amsgrad"):
+            raise ValueError(f"{type(self).__name__} does not support amsgrad=True")
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("block_size", 256)
+            group.setdefault("min_8bit_size", 4096)
+            group.setdefault("optim_bits", 8)
+
+    # ---- which params are 8-bit --------------------------------------------------------------
+    def _wants_8bit(self, group, p, kept: set[int]) -> bool:
+        return (group["optim_bits"] == 8 and p.numel() >= group["min_8bit_size"]  # global numel
+                and getattr(p, "_mpfused_optim_bits", 8) != 32 and id(p) not in kept)
+
+    @staticmethod
+    def _is_8bit_state(state) -> bool:
+        return "exp_avg" in state and state["exp_avg"].dtype == torch.uint8
+
+    def _init_state(self, group, p, want_8bit: bool = False) -> None:
+        state = self.state[p]
+        if len(state) != 0:
+            return
+        if not want_8bit:
+            return super()._init_state(group, p)  # step, fp32 moments, masters
+        local = _local(p)
+        blocks = num_blocks(local.numel(), group["block_size"])
+        state["step"] = torch.zeros((), dtype=torch.float32, device=local.device)
+        state["exp_avg"] = torch.full(local.shape, SIGNED_ZERO_CODE, dtype=torch.uint8,
+                                      device=local.device)  # codes of exact zeros
+        state["exp_avg_sq"] = torch.zeros(local.shape, dtype=torch.uint8, device=local.device)
+        state["exp_avg_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=local.device)
+        state["exp_avg_sq_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=local.device)
+        # Masters as mpfused.AdamW: from p, so a DTensor param gets DTensor masters. The codes
+        # and absmax are per local shard (blocks never straddle shards).
+        mode = self._master_mode(group, p)
+        if mode == MASTER_MODES["fp32"]:
+            state["master"] = p.detach().float()
+        elif mode == MASTER_MODES["remainder"]:
+            state["master_remainder"] = torch.zeros_like(p, dtype=torch.int16)
+
+    def _convert_state(self, group, p, to_8bit: bool) -> None:
+        """Quantize fp32 moments (to_8bit) or dequantize codes, in place in self.state[p]."""
+        state, block = self.state[p], group["block_size"]
+        local = _local(p)
+        if to_8bit:
+            for key, qmap, absmax_key in (("exp_avg", signed_map(local.device), "exp_avg_absmax"),
+                                          ("exp_avg_sq", unsigned_map(local.device),
+                                           "exp_avg_sq_absmax")):
+                codes, absmax = quantize_blockwise(_local(state[key]), qmap, block)
+                state[key], state[absmax_key] = codes.contiguous(), absmax
+        else:
+            state["exp_avg"] = dequantize_blockwise(state["exp_avg"], state.pop("exp_avg_absmax"),
+                                                    signed_map(local.device), block)
+            state["exp_avg_sq"] = dequantize_blockwise(
+                state["exp_avg_sq"], state.pop("exp_avg_sq_absmax"), unsigned_map(local.device),
+                block)
+
+    def _sync_form(self, group, p, want_8bit: bool) -> None:
+        state = self.state[p]
+        if "exp_avg" in state and self._is_8bit_state(state) != want_8bit:
+            self._convert_state(group, p, to_8bit=want_8bit)
+
+    # ---- kernel plan: 8-bit and fp32-state params in separate buckets ---------------------------
+    def _plan(self, index: int, group, grads) -> GroupPlan:
+        params = group["params"]
+        key = plan_key(params, grads, (group["master_weights"], group["optim_bits"],
+                                       group["block_size"], group["min_8bit_size"],
+                                       _OVERRIDES[0]))
+        plan = self._plans.get(index)
+        if plan is not None and plan.key == key:
+            return plan
+        kept = _kept_32bit_ids()
+        buckets = []
+        for b in build_buckets(params, grads):
+            split: dict[bool, Bucket] = {}
+            for i, p in zip(b.indices, b.params):
+                want = self._wants_8bit(group, p, kept)
+                self._init_state(group, p, want)
+                self._sync_form(group, p, want)
+                sub = split.setdefault(want, Bucket(indices=[], params=[]))
+                sub.indices.append(i)
+                sub.params.append(p)
+            for want, sub in split.items():
+                self._fill_bucket(group, sub, want)
+                buckets.append(sub)
+        plan = GroupPlan(key=key, buckets=buckets)
+        self._plans[index] = plan
+        return plan
+
+    def _fill_bucket(self, group, b: Bucket, eight: bool) -> None:
+        st = [self.state[p] for p in b.params]
+        mode = self._master_mode(group, b.params[0])
+        b.state = {
+            "eight": eight,
+            "steps": [s["step"] for s in st],
+            "exp_avgs": [_local(s["exp_avg"]) for s in st],
+            "exp_avg_sqs": [_local(s["exp_avg_sq"]) for s in st],
+            "masters": ([_local(s["master"]) for s in st] if mode == MASTER_MODES["fp32"] else
+                        [_local(s["master_remainder"]) for s in st]
+                        if mode == MASTER_MODES["remainder"] else []),
+            "mode": mode,
+            "local_params": [_local(p) for p in b.params],
+        }
+        if eight:
+            dev = b.state["local_params"][0].device
+            b.state.update(absmax1s=[s["exp_avg_absmax"] for s in st],
+                           absmax2s=[s["exp_avg_sq_absmax"] for s in st],
+                           qmap1=signed_map(dev), qmap2=unsigned_map(dev))
+
+    # ---- step --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        getattr(self, "_accelerator_graph_capture_health_check",  # torch >= 2.13 name
+                self._cuda_graph_capture_health_check)()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        norm_sq = getattr(self, "grad_norm_sq", None)
+        all_grads = [[p.grad for p in g["params"]] for g in self.param_groups]
+        if self.max_grad_norm and norm_sq is None:
+            norm_sq, found_inf = self._own_norm(all_grads, grad_scale, found_inf)
+        for index, group in enumerate(self.param_groups):
+            grads = all_grads[index]
+            plan = self._plan(index, group, grads)
+            beta1, beta2 = group["betas"]
+            lr = group["lr"]
+            lr_tensor = lr if isinstance(lr, torch.Tensor) else None
+            for b in plan.buckets:
+                s = b.state
+                dev = s["local_params"][0].device
+                head = (s["local_params"], [_local(grads[i]) for i in b.indices], s["exp_avgs"],
+                        s["exp_avg_sqs"])
+                hyper = (0.0 if lr_tensor is not None else float(lr),
+                         None if lr_tensor is None else lr_tensor.to(dev, non_blocking=True),
+                         float(beta1), float(beta2), float(group["eps"]),
+                         float(group["weight_decay"]))
+                scaler = (_on(grad_scale, dev), _on(found_inf, dev), _on(norm_sq, dev),
+                          float(self.max_grad_norm or 0.0), self._seed)
+                if s["eight"]:
+                    adam8bit_ops.adam8bit_step_(
+                        *head, s["absmax1s"], s["absmax2s"], s["masters"], s["steps"],
+                        s["qmap1"], s["qmap2"], int(group["block_size"]), *hyper,
+                        bool(group["maximize"]), self._decoupled, s["mode"], *scaler,
+                        backend=self._backend)
+                else:
+                    adam_ops.adam_step_(
+                        *head, [], s["masters"], s["steps"], *hyper, False,
+                        bool(group["maximize"]), self._decoupled, s["mode"], *scaler,
+                        backend=self._backend)
+        return loss
+
+    # ---- conversions -------------------------------------------------------------------------
+    def to_torch_state_dict(self) -> dict:
+        """A state_dict for ``torch.optim.AdamW`` (``torch.optim.Adam`` for ``Adam8bit``):
+        fp32 moments (8-bit ones dequantized), the step counters, torch's group keys. fp32
+        masters have no place in a torch state_dict and are dropped."""
+        sd = self.state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        ids = [i for g in sd["param_groups"] for i in g["params"]]
+        groups_of = {i: g for g in self.param_groups for i in [id(q) for q in g["params"]]}
+        state = {}
+        for pid, p in zip(ids, params):
+            saved = sd["state"].get(pid)
+            if not saved:
+                continue
+            out = {"step": saved["step"].detach().float().reshape(()).cpu().clone()}  # no alias
+            block = groups_of[id(p)]["block_size"]
+            for key, qmap, absmax_key in (("exp_avg", signed_map, "exp_avg_absmax"),
+                                          ("exp_avg_sq", unsigned_map, "exp_avg_sq_absmax")):
+                v = saved[key]
+                out[key] = (dequantize_blockwise(v, saved[absmax_key], qmap(v.device), block)
+                            if v.dtype == torch.uint8 else v.detach().clone().float())
+            state[pid] = out
+        groups = []
+        for g in sd["param_groups"]:
+            tg = {k: g[k] for k in _TORCH_GROUP_KEYS if k in g}
+            tg.update(amsgrad=False, decoupled_weight_decay=self._decoupled, params=g["params"])
+            if "param_names" in g:
+                tg["param_names"] = g["param_names"]
+            groups.append(tg)
+        return {"state": state, "param_groups": groups}
+
+    def from_torch_state_dict(self, state_dict: dict) -> None:
+        """Load a ``torch.optim.AdamW``/``Adam`` (or mpfused, or bitsandbytes 8-bit)
+        state_dict: the same as ``load_state_dict``, which quantizes fp32 moments as needed."""
+        self.load_state_dict(state_dict)
+
+
+class Adam8bit(AdamW8bit):
+    """``torch.optim.Adam`` semantics with 8-bit state: L2 weight decay added to the gradient,
+    default 0. (bitsandbytes' Adam8bit decouples weight decay, i.e. acts as AdamW8bit.)"""
+    _decoupled = False
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, **kwargs):
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+# ---- state_dict hooks ------------------------------------------------------------------------
+def _add_format(optimizer, state_dict):
+    state_dict["mpfused_8bit"] = {"version": FORMAT_VERSION, "signed_map": signed_map().clone(),
+                                  "unsigned_map": unsigned_map().clone()}
+    return state_dict
+
+
+def _where(gi, pi, p) -> str:
+    return f"param {pi} of param group {gi} (shape {tuple(_local(p).shape)})"
+
+
+def _saved_8bit(saved: dict) -> dict:
+    """A param's saved state with bitsandbytes' keys (and its FSDP wrapper) mapped to ours."""
+    saved = dict(saved)
+    saved.update(saved.pop("__bnb_optimizer_quant_state__", {}) or {})
+    for bnb_key, key in _BNB_KEYS.items():
+        if bnb_key in saved:
+            saved[key] = saved.pop(bnb_key)
+    for key in ("qmap1", "qmap2", "unorm_vec"):
+        saved.pop(key, None)
+    if "step" in saved and not isinstance(saved["step"], torch.Tensor):
+        saved["step"] = torch.tensor(float(saved["step"]), dtype=torch.float32)
+    return saved
+
+
+def _check_and_stash_8bit(optimizer, state_dict):
+    """Validate (before anything changes) and keep the 8-bit tensors aside; make the saved param
+    groups ours (foreign keys dropped, missing 8-bit settings taken from this optimizer)."""
+    fmt = state_dict.get("mpfused_8bit")
+    ours = fmt is not None
+    if ours:
+        if int(fmt.get("version", 0)) > FORMAT_VERSION:
+            raise ValueError(f"mpfused_8bit state_dict version {fmt['version']} is newer than this "
+                             f"mpfused (version {FORMAT_VERSION})")
+        for name, qmap in (("signed_map", signed_map()), ("unsigned_map", unsigned_map())):
+            saved_map = fmt.get(name)
+            if saved_map is not None and not torch.equal(saved_map.cpu().float(), qmap):
+                raise ValueError(f"the checkpoint's {name} differs from bitsandbytes' dynamic map "
+                                 "used here: its codes cannot be decoded")
+    saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    new_state = {}
+    for gi, (sg, group) in enumerate(zip(saved_groups, optimizer.param_groups)):
+        for pi, (pid, p) in enumerate(zip(sg["params"], group["params"])):
+            if pid not in saved_state:
+                continue
+            saved = _saved_8bit(saved_state[pid])
+            new_state[pid] = saved
+            local = _local(p)
+            moment = saved.get("exp_avg")
+            if not isinstance(moment, torch.Tensor):
+                continue
+            moment = _local(moment)  # DCP + FSDP2 hands DTensors: compare the local shard
+            if tuple(moment.shape) != tuple(local.shape):
+                raise ValueError(
+                    f"load_state_dict: {_where(gi, pi, p)}: saved exp_avg has shape "
+                    f"{tuple(moment.shape)}; optimizer state must have the param's (local) shape")
+            if moment.dtype != torch.uint8:
+                continue
+            block = sg.get("block_size", group["block_size"]) if ours else _BNB_BLOCK
+            if block != group["block_size"]:
+                raise ValueError(
+                    f"load_state_dict: {_where(gi, pi, p)}: its 8-bit state was saved with "
+                    f"block_size={block}, this optimizer uses block_size={group['block_size']}; "
+                    "a block-wise state is only valid for the block size it was quantized with. "
+                    f"Construct the optimizer with block_size={block}.")
+            blocks = num_blocks(local.numel(), block)
+            for key in ("exp_avg_absmax", "exp_avg_sq_absmax"):
+                absmax = saved.get(key)
+                if not isinstance(absmax, torch.Tensor) or absmax.numel() != blocks:
+                    got = "missing" if absmax is None else f"{absmax.numel()} entries"
+                    raise ValueError(
+                        f"load_state_dict: {_where(gi, pi, p)}: {key} is {got}, but "
+                        f"ceil(numel / block_size) = ceil({local.numel()} / {block}) = {blocks} "
+                        "are required (a checkpoint quantized with another block size, e.g. "
+                        "bitsandbytes < 0.44 used 2048?)")
+    groups = []
+    for sg, group in zip(saved_groups, optimizer.param_groups):
+        g = {k: v for k, v in sg.items() if k in optimizer.defaults or k in ("params", "param_names")}
+        for k in optimizer.defaults:
+            g.setdefault(k, group[k])
+        if not ours:
+            g["block_size"] = group["block_size"]  # checked above for 8-bit moments
+            g["optim_bits"] = group["optim_bits"]  # bnb groups carry optim_bits=32: not ours
+            g["min_8bit_size"] = group["min_8bit_size"]
+        groups.append(g)
+    optimizer._loading_8bit = (saved_groups, new_state)
+    out = {k: v for k, v in state_dict.items() if k != "mpfused_8bit"}
+    out.update(state=new_state, param_groups=groups)
+    return out
+
+
+def _restore_8bit(optimizer):
+    """After torch's load (and mpfused.AdamW's fp32 restore): 8-bit tensors with their own
+    dtypes on the param's device, then every state in the form its param wants."""
+    saved_groups, saved_state = optimizer.__dict__.pop("_loading_8bit")
+    optimizer._plans = {}
+    kept = _kept_32bit_ids()
+    ids = (i for g in saved_groups for i in g["params"])
+    params = ((g, p) for g in optimizer.param_groups for p in g["params"])
+    for pid, (group, p) in zip(ids, params):
+        saved = saved_state.get(pid)
+        if not saved:
+            continue
+        state, local = optimizer.state[p], _local(p)
+        for key in _8BIT_KEYS:
+            value = saved.get(key)
+            if isinstance(value, torch.Tensor) and (value.dtype == torch.uint8 or "absmax" in key):
+                dtype = torch.uint8 if value.dtype == torch.uint8 else torch.float32
+                restored = value.to(device=local.device, dtype=dtype).contiguous()
+                # never alias the caller's tensors (e.g. a live optimizer's state_dict())
+                state[key] = restored.clone() if restored.data_ptr() == value.data_ptr() else restored
+        if "exp_avg" in state and state["exp_avg"].dtype != torch.uint8:
+            state.pop("exp_avg_absmax", None)
+            state.pop("exp_avg_sq_absmax", None)
+        if "exp_avg" in state:
+            optimizer._sync_form(group, p, optimizer._wants_8bit(group, p, kept))

@@ -1,0 +1,217 @@
+"""Triton Adam/AdamW step with block-wise 8-bit moments (the op mpfused::adam8bit_step_).
+
+One program per quantization block, one launch per tensor (no pointer tables: they are not
+portable to the interpreter). The per-element math is csrc/include/mpfused/adam_math.h +
+quant8_math.h transcribed: IEEE division and square root (div_rn/sqrt_rn, not Triton's
+approximate defaults), the binary search over the decision thresholds, bitsandbytes' sign rule.
+Everything a step depends on is read on device (step counter, lr tensor, grad_scale, found_inf,
+norm_sq): no host sync. Per-tensor scalars are formed as in triton_kernels/adam.py (fp64 betas,
+beta^t by binary exponentiation: a few fp64 ulps from C's pow, below the fp32 rounding that
+follows); no FMA contraction.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from mpfused.quant_maps import thresholds, zero_code
+from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, load_f32, store_f32
+from mpfused.triton_kernels.adam import _kernel_mode, _round_f32
+
+MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC = 0, 1, 2, 3
+_M64 = (1 << 64) - 1
+
+
+@triton.jit
+def _encode(thr_ptr, x):
+    # quant8_encode: code = #{i : x > thr[i]} by an 8-step binary search.
+    c = tl.where(x > tl.load(thr_ptr + 127), 128, 0)
+    c += tl.where(x > tl.load(thr_ptr + c + 63), 64, 0)
+    c += tl.where(x > tl.load(thr_ptr + c + 31), 32, 0)
+    c += tl.where(x > tl.load(thr_ptr + c + 15), 16, 0)
+    c += tl.where(x > tl.load(thr_ptr + c + 7), 8, 0)
+    c += tl.where(x > tl.load(thr_ptr + c + 3), 4, 0)
+    c += tl.where(x > tl.load(thr_ptr + c + 1), 2, 0)
+    c += tl.where(x > tl.load(thr_ptr + c), 1, 0)
+    return c
+
+
+@triton.jit(do_not_specialize=["zero_code", "seed", "slot"])
+def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_ptr, map2_ptr,
+                     thr1_ptr, thr2_ptr, step_ptr, lr_ptr, scale_ptr, found_ptr, norm_ptr,
+                     n, lr, beta1, beta2, beta1_lo, beta2_lo, eps, weight_decay, mgn_hi, mgn_lo,
+                     zero_code, seed, slot, DT: tl.constexpr, MODE: tl.constexpr,
+                     DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_LR: tl.constexpr,
+                     HAS_SCALE: tl.constexpr, HAS_FOUND: tl.constexpr, HAS_NORM: tl.constexpr,
+                     BLOCK: tl.constexpr):
+    if HAS_FOUND:
+        if tl.load(found_ptr) > 0.0:  # skipped step: nothing is touched
+            return
+    pid = tl.program_id(0)
+    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit indexing
+    mask = offs < n
+    # ---- per-tensor scalars: adam_math.h::adam_scalars, formed exactly as
+    # triton_kernels/adam.py does (tl.full rounds the interpreter's Python floats to fp32;
+    # betas and max_grad_norm arrive as fp32 hi + lo words of their fp64 values; beta^t by
+    # binary exponentiation in fp64) ----
+    if HAS_LR:
+        lr32 = tl.load(lr_ptr).to(tl.float32)
+    else:
+        lr32 = tl.full((), lr, tl.float32)
+    b1 = tl.full((), beta1, tl.float32)
+    b2 = tl.full((), beta2, tl.float32)
+    eps32 = tl.full((), eps, tl.float32)
+    wd = tl.full((), weight_decay, tl.float32)
+    ti = (tl.load(step_ptr).to(tl.float64) + 1.0).to(tl.int64)
+    e = ti
+    x1 = b1.to(tl.float64) + tl.full((), beta1_lo, tl.float32).to(tl.float64)
+    x2 = b2.to(tl.float64) + tl.full((), beta2_lo, tl.float32).to(tl.float64)
+    pw1 = tl.full((), 1.0, tl.float64)
+    pw2 = tl.full((), 1.0, tl.float64)
+    while e > 0:
+        odd = (e & 1) == 1
+        pw1 = tl.where(odd, pw1 * x1, pw1)
+        pw2 = tl.where(odd, pw2 * x2, pw2)
+        x1 = x1 * x1
+        x2 = x2 * x2
+        e = e >> 1
+    step_size = (lr32.to(tl.float64) / (1.0 - pw1)).to(tl.float32)
+    bc2_sqrt = tl.sqrt(1.0 - pw2).to(tl.float32)
+    gm = tl.full((), 1.0, tl.float32)
+    if HAS_SCALE:
+        gm = tl.div_rn(gm, tl.load(scale_ptr).to(tl.float32))
+    if HAS_NORM:
+        mgn = (tl.full((), mgn_hi, tl.float32).to(tl.float64)
+               + tl.full((), mgn_lo, tl.float32).to(tl.float64))
+        norm = tl.sqrt(tl.load(norm_ptr).to(tl.float32).to(tl.float64))
+        q = mgn / (norm + 1e-6)
+        clip = tl.where(q < 1.0, q, 1.0)  # std::min(1.0, q)
+        gm = gm * clip.to(tl.float32)
+    if MAXIMIZE:
+        gm = -gm
+    if DECOUPLED:
+        decay = lr32 * wd
+        l2 = tl.full((), 0.0, tl.float32)
+    else:
+        decay = tl.full((), 0.0, tl.float32)
+        l2 = wd
+    # ---- fp32 value of the param ----
+    if MODE == 1:
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    elif MODE == 2:
+        hi = tl.load(p_ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        rem = tl.load(w_ptr + offs, mask=mask, other=0).to(tl.int32)
+        hi = tl.where(rem < 0, (hi - 1) & 0xFFFF, hi)
+        w = ((hi << 16) | (rem & 0xFFFF)).to(tl.float32, bitcast=True)
+    else:
+        w = load_f32(p_ptr, offs, mask, DT)
+    g = load_f32(g_ptr, offs, mask, DT)
+    # ---- dequantize with the old absmax, update in fp32 (adam_element) ----
+    c1 = tl.load(c1_ptr + offs, mask=mask, other=0).to(tl.int32)
+    c2 = tl.load(c2_ptr + offs, mask=mask, other=0).to(tl.int32)
+    m = tl.load(map1_ptr + c1) * tl.load(a1_ptr + pid)
+    v = tl.load(map2_ptr + c2) * tl.load(a2_ptr + pid)
+    g = g * gm + l2 * w
+    w = w - decay * w
+    m = m + (1.0 - b1) * (g - m)
+    v = b2 * v + (1.0 - b2) * (g * g)
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps32
+    w = w - tl.div_rn(step_size * m, denom)
+    # ---- store the param ----
+    if MODE == 1:
+        tl.store(w_ptr + offs, w, mask=mask)
+        store_f32(p_ptr, offs, w, mask, DT)
+    elif MODE == 2:
+        u = w.to(tl.uint32, bitcast=True)
+        lo = u & 0xFFFF
+        hi = ((u >> 16) + tl.where(lo >= 0x8000, 1, 0)) & 0xFFFF
+        tl.store(p_ptr + offs, hi.to(tl.int32).to(tl.int16), mask=mask)
+        tl.store(w_ptr + offs, lo.to(tl.int32).to(tl.int16), mask=mask)
+    elif MODE == 3:
+        # bf16_bits_stochastic(w, random16(step_seed(seed, t), slot, logical index))
+        sseed = seed.to(tl.uint64) ^ (ti.to(tl.uint64) * 0xD1B54A32D192ED03)
+        z = (sseed + 0x9E3779B97F4A7C15 * (slot.to(tl.uint64) + 1)
+             + offs.to(tl.uint64) * 0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+        z = z ^ (z >> 31)
+        r16 = (z >> 48).to(tl.uint32)
+        u = w.to(tl.uint32, bitcast=True)
+        bits = (u + r16) >> 16
+        bits = tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, bits)
+        tl.store(p_ptr + offs, bits.to(tl.int32).to(tl.int16), mask=mask)
+    else:
+        store_f32(p_ptr, offs, w, mask, DT)
+    # ---- new absmax of the updated moments, requantize ----
+    am1 = tl.max(tl.where(mask, tl.abs(m), 0.0), axis=0)
+    am2 = tl.max(tl.where(mask, tl.abs(v), 0.0), axis=0)
+    tl.store(a1_ptr + pid, am1)
+    tl.store(a2_ptr + pid, am2)
+    one = tl.full((), 1.0, tl.float32)
+    r1 = tl.div_rn(one, am1)  # quant8_inv_scale: saturates at FLT_MAX
+    r1 = tl.where(r1 < 3.4028234663852886e38, r1, 3.4028234663852886e38)
+    r2 = tl.div_rn(one, am2)
+    r2 = tl.where(r2 < 3.4028234663852886e38, r2, 3.4028234663852886e38)
+    q1 = _encode(thr1_ptr, m * r1)
+    q2 = _encode(thr2_ptr, v * r2)
+    neg = (m.to(tl.uint32, bitcast=True) >> 31) != 0
+    q1 = tl.where(neg & (q1 == zero_code), q1 - 1, q1)
+    tl.store(c1_ptr + offs, q1.to(tl.uint8), mask=mask)
+    tl.store(c2_ptr + offs, q2.to(tl.uint8), mask=mask)
+
+
+def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters, steps,
+                   qmap1, qmap2, block_size, lr, lr_tensor, beta1, beta2, eps, weight_decay,
+                   maximize, decoupled, master_mode, grad_scale=None, found_inf=None,
+                   norm_sq=None, max_grad_norm=0.0, seed=0):
+    if not params:
+        return
+    if block_size not in (64, 128, 256, 512, 1024, 2048, 4096):
+        raise ValueError(f"mpfused: block_size must be a power of two in [64, 4096], got {block_size}")
+    dev = params[0].device
+    thr1, thr2 = thresholds(qmap1), thresholds(qmap2)
+    zc = zero_code(qmap1)
+    has_norm = norm_sq is not None and max_grad_norm > 0
+    # fp64 scalars travel as fp32 hi + lo (as triton_kernels/adam.py)
+    b1_hi, b2_hi = _round_f32(float(beta1)), _round_f32(float(beta2))
+    b1_lo, b2_lo = float(beta1) - b1_hi, float(beta2) - b2_hi
+    mgn_hi = _round_f32(float(max_grad_norm))
+    mgn_lo = float(max_grad_norm) - mgn_hi if math.isfinite(mgn_hi) else 0.0
+    dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+    slot = 0
+    for i, p in enumerate(params):
+        if p.numel() == 0:
+            continue
+        mode = _kernel_mode(p.dtype, int(master_mode))
+        w = masters[i] if mode in (MASTER_FP32, MASTER_REMAINDER) else None
+        # block layout = logical order: every operand contiguous (8-bit state always is)
+        ops = [t if t is None or t.is_contiguous() else t.contiguous() for t in (p, grads[i], w)]
+        pk, gk, wk = ops
+        grid = (triton.cdiv(p.numel(), block_size),)
+        _adam8bit_kernel[grid](
+            as_kernel_arg(pk), as_kernel_arg(gk), exp_avgs[i], exp_avg_sqs[i],
+            wk if wk is not None else dummy, absmax1s[i], absmax2s[i], qmap1, qmap2, thr1, thr2,
+            steps[i], lr_tensor if lr_tensor is not None else dummy,
+            grad_scale if grad_scale is not None else dummy,
+            found_inf if found_inf is not None else dummy,
+            norm_sq if has_norm else dummy,
+            p.numel(), float(lr), b1_hi, b2_hi, b1_lo, b2_lo, float(eps), float(weight_decay),
+            mgn_hi, mgn_lo, zc, int(seed) & _M64, slot,
+            DT=DTYPE_CODE[p.dtype], MODE=mode, DECOUPLED=bool(decoupled), MAXIMIZE=bool(maximize),
+            HAS_LR=lr_tensor is not None, HAS_SCALE=grad_scale is not None,
+            HAS_FOUND=found_inf is not None, HAS_NORM=has_norm, BLOCK=block_size,
+            enable_fp_fusion=False)  # no FMA contraction: rounds as the CPU kernel
+        if pk is not p:
+            p.copy_(pk)  # a skipped step wrote nothing: the copy-back restores the same
+        if wk is not w:
+            w.copy_(wk)
+        slot += 1
+    # Step counters advance only on a taken step, decided on device (no host sync).
+    if found_inf is None:
+        torch._foreach_add_(list(steps), 1)
+    else:
+        taken = (found_inf.reshape(()) <= 0).to(steps[0].dtype)
+        torch._foreach_add_(list(steps), taken)
