@@ -1,10 +1,13 @@
 """``mpfused.clip_grad_norm_``: drop-in for ``torch.nn.utils.clip_grad_norm_`` whose 2-norm comes
 from the fused multi-tensor check pass (one read per grad, all dtypes of a device in one call) and
-whose scaling is the fused unscale kernel. No host sync unless ``error_if_nonfinite=True``."""
+whose scaling is the fused unscale kernel. No host sync unless ``error_if_nonfinite=True``.
+DTensor grads (FSDP2): computed on the local shards, the norm SUM-all-reduced over the ranks that
+shard them (the global norm, as torch's), and returned as a plain tensor."""
 from __future__ import annotations
 
 import torch
 
+from mpfused.distributed import local, reduce_norm_parts, split_by_shard_groups
 from mpfused.ops import amp as amp_ops
 
 
@@ -20,16 +23,23 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
                                               foreach)
     if not grads:
         return torch.tensor(0.0)
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    first = grads[0].device
+    # DTensor grads (FSDP2): the kernels run on the local shards and each part's sum of squares
+    # is SUM-all-reduced over the ranks that shard it, so the norm (and the clip) is global.
+    by_device: dict[torch.device, dict[tuple, list[torch.Tensor]]] = {}
+    for key, local_grads in split_by_shard_groups(grads).items():
+        for g in local_grads:
+            by_device.setdefault(g.device, {}).setdefault(key, []).append(g)
+    first = local(grads[0]).device
     total_sq = torch.zeros((), dtype=torch.float32, device=first)
-    for device, gs in by_device.items():
-        sq = torch.zeros((), dtype=torch.float32, device=device)
-        amp_ops.check_grads(gs, torch.zeros((), device=device), torch.ones((), device=device), sq,
-                            None, backend=backend)
-        total_sq += sq.to(first, non_blocking=True)
+    parts: dict[tuple, torch.Tensor] = {}
+    for device, by_key in by_device.items():
+        for key, gs in by_key.items():
+            sq = torch.zeros((), dtype=torch.float32, device=device)
+            amp_ops.check_grads(gs, torch.zeros((), device=device), torch.ones((), device=device),
+                                sq, None, backend=backend)
+            sq = sq.to(first, non_blocking=True)
+            parts[key] = sq if key not in parts else parts[key] + sq
+    reduce_norm_parts(parts, total_sq)
     total_norm = total_sq.sqrt()
     if error_if_nonfinite and not torch.isfinite(total_norm):
         raise RuntimeError(
@@ -37,7 +47,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
             "non-finite, so it cannot be clipped. To disable this error and scale the gradients "
             "by the non-finite norm anyway, set `error_if_nonfinite=False`")
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for device, gs in by_device.items():
+    for device, by_key in by_device.items():
+        gs = [g for part in by_key.values() for g in part]
         amp_ops.unscale_grads_(gs, torch.zeros((), device=device), clip_coef.to(device), None,
                                None, backend=backend)
     return total_norm

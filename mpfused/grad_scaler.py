@@ -16,8 +16,9 @@ changes:
 * found_inf from several devices or optimizers is combined with MAX, never SUM, so it is 0 or 1;
 * ``update`` is one small device op; opt-in extras: ``hysteresis`` (back off only after N
   consecutive overflows, as DeepSpeed/Megatron), ``min_scale`` and ``max_scale``;
-* with ``process_group=`` (or DTensor grads) found_inf is all-reduced with MAX so every rank
-  skips together.
+* with ``process_group=`` (or DTensor grads: FSDP2, over every dim of their mesh) found_inf is
+  all-reduced with MAX so every rank skips together; the clipping norm of DTensor grads is
+  SUM-reduced over the ranks that shard them (``mpfused.distributed``).
 """
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from collections import defaultdict
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
+from mpfused.distributed import (all_reduce_, found_inf_groups, is_dtensor, reduce_norm_parts,
+                                 shard_groups)
 from mpfused.ops import amp as amp_ops
 
 __all__ = ["GradScaler", "OptState"]
@@ -64,8 +67,11 @@ class GradScaler(torch.amp.GradScaler):
                                               device=dev)
 
     # ---- the fused check --------------------------------------------------------------------
-    def _grads_by_device(self, optimizer, allow_fp16: bool) -> dict[torch.device, list]:
-        by_device: dict[torch.device, list] = defaultdict(list)
+    def _grads_by_device(self, optimizer, allow_fp16: bool) -> dict[torch.device, dict]:
+        """{device: {shard groups: [local grads]}}: DTensor grads (FSDP2) as their local shards,
+        split by the process groups their shards differ over (``()`` for plain tensors), so each
+        part's sum of squares can be SUM-reduced over the right ranks."""
+        by_device: dict[torch.device, dict] = defaultdict(dict)
         for group in optimizer.param_groups:
             for param in group["params"]:
                 grad = param.grad
@@ -73,34 +79,43 @@ class GradScaler(torch.amp.GradScaler):
                     continue
                 if not allow_fp16 and grad.dtype == torch.float16:
                     raise ValueError("Attempting to unscale FP16 gradients.")
+                key = ()
                 if grad.is_sparse:
                     # Duplicate indices of a scaled fp16 grad can overflow when summed: check the
                     # coalesced values (as torch does).
                     if grad.dtype is torch.float16:
                         param.grad = grad = grad.coalesce()
                     grad = grad._values()
-                elif hasattr(grad, "to_local"):  # DTensor: the kernel runs on the local shard
+                elif is_dtensor(grad):  # the kernel runs on the local shard
+                    key = shard_groups(grad)
                     grad = grad.to_local()
-                by_device[grad.device].append(grad)
+                by_device[grad.device].setdefault(key, []).append(grad)
         return by_device
 
     def _fused_check(self, optimizer, inv_scale, found_inf, *, write_back: bool,
                      allow_fp16: bool, norm_sq: torch.Tensor | None = None):
-        """found_inf (and norm_sq of the unscaled grads) per device; all-reduced when asked."""
+        """found_inf (MAX-reduced across ranks when distributed) per device, and norm_sq of the
+        unscaled grads (the global one: sharded parts SUM-reduced over their shard groups)."""
         per_device: dict[torch.device, torch.Tensor] = {}
+        norm_parts: dict[tuple, torch.Tensor] = {}
         op = amp_ops.unscale_grads_ if write_back else amp_ops.check_grads
         with torch.no_grad():
-            for device, grads in self._grads_by_device(optimizer, allow_fp16).items():
+            for device, parts in self._grads_by_device(optimizer, allow_fp16).items():
                 dev_found = torch.zeros((), dtype=torch.float32, device=device)
                 dev_inv = inv_scale.to(device, non_blocking=True)
-                dev_norm = None
-                if norm_sq is not None:
-                    dev_norm = torch.zeros((), dtype=torch.float32, device=device)
-                op(grads, dev_found, dev_inv, dev_norm, None, backend=self._backend)
-                if norm_sq is not None:
-                    norm_sq += dev_norm.to(norm_sq.device, non_blocking=True)
+                for key, grads in parts.items():
+                    dev_norm = None
+                    if norm_sq is not None:
+                        dev_norm = torch.zeros((), dtype=torch.float32, device=device)
+                    op(grads, dev_found, dev_inv, dev_norm, None, backend=self._backend)
+                    if dev_norm is not None:
+                        dev_norm = dev_norm.to(norm_sq.device, non_blocking=True)
+                        norm_parts[key] = (dev_norm if key not in norm_parts
+                                           else norm_parts[key] + dev_norm)
                 per_device[device] = dev_found
-        self._all_reduce_found_inf(optimizer, per_device)
+            self._all_reduce_found_inf(optimizer, per_device)
+            if norm_sq is not None:
+                reduce_norm_parts(norm_parts, norm_sq)
         return per_device
 
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
@@ -121,15 +136,23 @@ class GradScaler(torch.amp.GradScaler):
         return state["found_inf_per_device"]
 
     def _all_reduce_found_inf(self, optimizer, per_device) -> None:
-        group = self._process_group
-        if group is None:
-            group = _dtensor_group(optimizer)
-        if group is None:
+        """MAX over ``process_group`` if given, else over every mesh dim of the DTensor grads."""
+        if self._process_group is not None:
+            groups = [self._process_group]
+            if not per_device:  # no grads here: still join the collective (as ShardedGradScaler)
+                per_device[self._scale.device] = torch.zeros((), dtype=torch.float32,
+                                                             device=self._scale.device)
+        else:
+            groups = _dtensor_groups(optimizer)
+        if not groups or not per_device:
             return
-        import torch.distributed as dist
-
-        for t in per_device.values():
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        found = list(per_device.values())
+        # One collective per group whatever the number of devices (ranks must issue the same).
+        combined = found[0] if len(found) == 1 else _max_on(found, found[0].device)
+        all_reduce_(combined, groups, "max")
+        if len(found) > 1:
+            for t in found:
+                t.copy_(combined)
 
     # ---- step / update ----------------------------------------------------------------------
     def step(self, optimizer, *args, **kwargs):
@@ -240,12 +263,9 @@ def _step_params(optimizer):
         return {}
 
 
-def _dtensor_group(optimizer):
-    """The process group to reduce found_inf over when the grads are DTensors (FSDP2)."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            g = p.grad
-            if g is not None and hasattr(g, "device_mesh"):
-                mesh = g.device_mesh
-                return mesh.get_group() if mesh.ndim == 1 else None
-    return None
+def _dtensor_groups(optimizer) -> list:
+    """The process groups to MAX-reduce found_inf over when grads are DTensors (FSDP2): every
+    dim of every grad mesh (1-D or N-D; reducing over the dims one after another reduces over the
+    whole mesh, so every rank of it skips together and keeps the same scale)."""
+    return found_inf_groups(p.grad for group in optimizer.param_groups for p in group["params"]
+                            if p.grad is not None)

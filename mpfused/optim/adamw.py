@@ -22,6 +22,8 @@ import math
 import torch
 from torch.optim.optimizer import Optimizer
 
+from mpfused.distributed import (all_reduce_, found_inf_groups, reduce_norm_parts,
+                                 split_by_shard_groups)
 from mpfused.ops import adam as adam_ops
 from mpfused.ops import amp as amp_ops
 from mpfused.optim._buckets import GroupPlan, build_buckets, plan_key
@@ -177,17 +179,24 @@ class AdamW(Optimizer):
         return loss
 
     def _own_norm(self, all_grads, grad_scale, found_inf):
-        """Fused clipping without a scaler: one read-only pass for the norm (and non-finites)."""
+        """Fused clipping without a scaler: one read-only pass for the norm (and non-finites).
+        DTensor grads (FSDP2): the local shards' sums of squares are SUM-all-reduced over the
+        ranks that shard them (the global norm) and the non-finite flag MAX-all-reduced."""
         grads = [g for gs in all_grads for g in gs if g is not None]
         if not grads:
             return None, found_inf
-        dev = grads[0].device
+        dev = _local(grads[0]).device
         norm_sq = torch.zeros((), dtype=torch.float32, device=dev)
         own_found = torch.zeros((), dtype=torch.float32, device=dev)
         inv = (torch.ones((), device=dev) if grad_scale is None
                else grad_scale.to(dev).double().reciprocal().float())
-        amp_ops.check_grads([_local(g) for g in grads], own_found, inv, norm_sq, None,
-                            backend=self._backend)
+        parts = {}
+        for key, local_grads in split_by_shard_groups(grads).items():
+            parts[key] = torch.zeros((), dtype=torch.float32, device=dev)
+            amp_ops.check_grads(local_grads, own_found, inv, parts[key], None,
+                                backend=self._backend)
+        all_reduce_(own_found, found_inf_groups(grads), "max")
+        reduce_norm_parts(parts, norm_sq)
         if found_inf is not None:
             own_found = torch.maximum(own_found, found_inf.to(dev))
         return norm_sq, own_found
@@ -239,7 +248,8 @@ def _stash_fp32_state(optimizer, state_dict):
         local = _local(p)
         for key in PER_ELEMENT_KEYS:
             value = saved_state.get(pid, {}).get(key)
-            if isinstance(value, torch.Tensor) and value.shape != local.shape:
+            # DCP + FSDP2 hands DTensor state (global shape): compare its local shard.
+            if isinstance(value, torch.Tensor) and _local(value).shape != local.shape:
                 raise ValueError(
                     f"loaded state_dict: state[{pid}][{key!r}] has shape {tuple(value.shape)} but "
                     f"its param has shape {tuple(local.shape)}; per-element state must have the "
@@ -265,7 +275,9 @@ def _restore_fp32_state(optimizer):
             else:
                 state[key] = value.to(device=local.device)
         mode = optimizer._master_mode(group, p)
+        # From p, not its local shard: a DTensor param gets DTensor state, as in _init_state
+        # (a plain local tensor would be saved by DCP as if replicated).
         if mode == MASTER_MODES["fp32"] and "master" not in state:
-            state["master"] = local.detach().float()
+            state["master"] = p.detach().float()
         if mode == MASTER_MODES["remainder"] and "master_remainder" not in state:
-            state["master_remainder"] = torch.zeros_like(local, dtype=torch.int16)
+            state["master_remainder"] = torch.zeros_like(p, dtype=torch.int16)

@@ -1,0 +1,577 @@
+"""mpfused inside PyTorch's distributed engines, on CPU with gloo and 2 processes.
+
+Each launch starts 2 worker processes (this module run as ``python -m tests.test_distributed``,
+rendezvous through a FileStore, so no port race) that run several scenarios and write their
+results with ``torch.save``; the tests compare them with single-process runs done here. Every
+launch is bounded (``TIMEOUT_S``); a machine where gloo or spawning processes does not work
+skips the tests.
+
+Single-process reference ("emulated data parallel"): rank r's half of each global batch is run
+separately (same shapes, 1 thread, so the forward/backward are bit-identical to the rank's) and
+the grads are averaged as ``(g0 + g1) / 2``. DDP divides by the world size then sums, FSDP2
+reduce-scatters with AVG; with 2 ranks all of these are the same float result (a + b is
+commutative, a division by 2 is exact), so without clipping the runs must be **bit-identical**.
+With clipping the global norm is a sum of per-shard sums of squares, added in another order than
+the single-process pass: the clip coefficient may differ in the last bits, hence CLIP_TOL.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+WORLD = 2
+TIMEOUT_S = 120          # per launch of 2 processes
+BATCH = 4                # per rank
+STEPS = 7
+INF_STEP = 2             # rank 1's half-batch of this step holds an inf (every run skips it)
+CKPT_AT = 3              # checkpoint after this many steps
+# Clipping on: the global norm adds per-shard sums of squares in another order than one pass
+# over the whole grads, so the clip coefficient may differ by an ulp (~6e-8 relative); Adam's
+# m / sqrt(v) mostly cancels it, 8-bit requantization can round a moment to a neighbouring code.
+# Measured: the fp32/bf16 runs came out bit-identical anyway, fsdp_8bit_clip 3e-8 abs / 2e-6 rel.
+# A local (unreduced) norm is off by ~sqrt(2) and fails these by orders of magnitude.
+CLIP_TOL = dict(rtol=1e-5, atol=1e-6)
+UNAVAILABLE = "MPFUSED-DIST-UNAVAILABLE"
+
+# name: (engine, mesh shape, param dtype, optimizer, scaler?, max_grad_norm)
+CONFIGS = {
+    "ddp_fp32": ("ddp", (2,), "float32", "AdamW", True, None),
+    "ddp_bf16_clip": ("ddp", (2,), "bfloat16", "AdamW", True, 0.05),
+    "ddp_8bit": ("ddp", (2,), "float32", "AdamW8bit", True, None),
+    "fsdp_fp32": ("fsdp", (2,), "float32", "AdamW", True, None),
+    "fsdp_bf16": ("fsdp", (2,), "bfloat16", "AdamW", True, None),
+    "fsdp_bf16_clip": ("fsdp", (2,), "bfloat16", "AdamW", True, 0.05),
+    "fsdp_fp32_ownclip": ("fsdp", (2,), "float32", "AdamW", False, 0.05),
+    "fsdp_8bit": ("fsdp", (2,), "float32", "AdamW8bit", True, None),
+    "fsdp_8bit_clip": ("fsdp", (2,), "float32", "AdamW8bit", True, 0.05),
+    "hsdp_2x1_clip": ("fsdp", (2, 1), "float32", "AdamW", True, 0.05),
+    "fsdp_1x2_clip": ("fsdp", (1, 2), "float32", "AdamW", True, 0.05),
+}
+CKPT_CONFIGS = ["fsdp_bf16", "fsdp_8bit"]
+# AdamW8bit (mpfused/optim/adamw8bit.py, not part of this change) keeps the 8-bit codes/absmax of
+# a DTensor param as plain per-shard tensors, which DCP takes for replicated (one rank's copy is
+# saved and loaded everywhere), and its load pre-hook compares DTensor state's global shape with
+# the local shard's: an FSDP2 + DCP round trip fails. See the README, "Distributed training".
+_8BIT_DCP = pytest.mark.xfail(reason="AdamW8bit state of FSDP2 params is not DCP-ready yet",
+                              strict=False)
+CKPT_PARAMS = [pytest.param(n, marks=_8BIT_DCP) if CONFIGS[n][3] == "AdamW8bit" else n
+               for n in CKPT_CONFIGS]
+LAUNCHES = {"ddp": [n for n, c in CONFIGS.items() if c[0] == "ddp"],
+            "fsdp": [n for n, c in CONFIGS.items() if c[0] == "fsdp"]}
+
+
+def _has_8bit() -> bool:
+    import mpfused
+
+    return hasattr(mpfused, "AdamW8bit")
+
+
+# ---- model, data, optimizer (shared by the workers and the single-process reference) ----------
+class Net(torch.nn.Module):
+    # fc2.weight: 4608 elements (>= min_8bit_size 4096: 8-bit state) but 2304 per rank under
+    # FSDP2, so the size rule must be judged on the global shape; 2304 = 9 blocks of 256, so the
+    # per-shard blocks coincide with the unsharded ones. fc3 (7 rows) is sharded unevenly (4 + 3).
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 96)
+        self.fc2 = torch.nn.Linear(96, 48)
+        self.fc3 = torch.nn.Linear(48, 7)
+
+    def forward(self, x):
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def make_model(dtype: str, seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net().to(getattr(torch, dtype))
+
+
+def batch(step: int, rank: int, dtype: str):
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(WORLD * BATCH, 16, generator=g)
+    y = torch.randn(WORLD * BATCH, 7, generator=g)
+    if step == INF_STEP:
+        x[BATCH, 0] = float("inf")  # in rank 1's half only
+    sl = slice(rank * BATCH, (rank + 1) * BATCH)
+    return x[sl].to(getattr(torch, dtype)), y[sl]
+
+
+def loss_fn(model, x, y):
+    return torch.nn.functional.mse_loss(model(x).float(), y)
+
+
+def make_optim(params, opt: str, max_grad_norm):
+    import mpfused
+
+    if opt == "AdamW8bit":
+        return mpfused.AdamW8bit(params, lr=1e-2, weight_decay=0.1, max_grad_norm=max_grad_norm)
+    return mpfused.AdamW(params, lr=1e-2, weight_decay=0.1, max_grad_norm=max_grad_norm)
+
+
+def make_scaler():
+    import mpfused
+
+    return mpfused.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+
+
+def full(t):
+    t = t.detach()
+    return (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+
+
+def state_snapshot(model, opt):
+    """{param name: {state key: tensor}}: DTensor state as full tensors, plain ones as they are
+    (AdamW8bit keeps its 8-bit codes/absmax of a DTensor param as plain per-shard tensors)."""
+    return {n.replace("module.", ""): {k: full(v) for k, v in opt.state[p].items()}
+            for n, p in model.named_parameters()}
+
+
+def kinds_of(model, opt):
+    """{param name: {state key: (type name, dtype, shape)}}."""
+    return {n.replace("module.", ""): {k: (type(v).__name__, str(v.dtype), tuple(v.shape))
+                                       for k, v in opt.state[p].items()}
+            for n, p in model.named_parameters()}
+
+
+def params_of(model):
+    return {n.replace("module.", ""): full(p) for n, p in model.named_parameters()}
+
+
+def train_single(name, steps=range(STEPS), model=None, opt=None, scaler=None):
+    """The single-process reference run of a config (emulated 2-rank data parallelism)."""
+    _, _, dtype, opt_name, use_scaler, clip = CONFIGS[name]
+    model = model or make_model(dtype)
+    opt = opt or make_optim(model.parameters(), opt_name, clip)
+    scaler = scaler or (make_scaler() if use_scaler else None)
+    scales = []
+    for step in steps:
+        grads = []
+        for rank in range(WORLD):
+            opt.zero_grad(set_to_none=True)
+            loss = loss_fn(model, *batch(step, rank, dtype))
+            (scaler.scale(loss) if scaler else loss).backward()
+            grads.append([p.grad for p in model.parameters()])
+        for p, g0, g1 in zip(model.parameters(), *grads):
+            p.grad = (g0 + g1) / 2
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+            scales.append(scaler.get_scale())
+        else:
+            opt.step()
+    return model, opt, scaler, scales
+
+
+# ---- workers ----------------------------------------------------------------------------------
+def _wrap(model, engine, mesh_shape):
+    if engine == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
+    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+    for layer in (model.fc1, model.fc2, model.fc3):
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _train_dist(name, rank):
+    engine, mesh_shape, dtype, opt_name, use_scaler, clip = CONFIGS[name]
+    model = _wrap(make_model(dtype), engine, mesh_shape)
+    opt = make_optim(model.parameters(), opt_name, clip)
+    scaler = make_scaler() if use_scaler else None
+    out = {"scales": []}
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model, *batch(step, rank, dtype))
+        (scaler.scale(loss) if scaler else loss).backward()
+        if step == INF_STEP:
+            out["before_inf_step"] = params_of(model)
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+            out["scales"].append(scaler.get_scale())
+        else:
+            opt.step()
+        if step == INF_STEP:
+            out["after_inf_step"] = params_of(model)
+    out["params"] = params_of(model)
+    out["state"] = state_snapshot(model, opt)
+    out["state_kinds"] = kinds_of(model, opt)
+    return out
+
+
+def _inject_inf_one_rank(rank, engine, mesh_shape):
+    """Inf written into rank 1's grad after the backward (its reduction is done): every rank must
+    skip (FSDP2: via the DTensor mesh; DDP: via process_group=)."""
+    import torch.distributed as dist
+
+    import mpfused
+    model = _wrap(make_model("float32"), engine, mesh_shape)
+    opt = mpfused.AdamW(model.parameters(), lr=1e-2, max_grad_norm=1.0)
+    scaler = mpfused.GradScaler("cpu", init_scale=2.0**10,
+                                process_group=dist.group.WORLD if engine == "ddp" else None)
+    results = []
+    for step in range(2):
+        opt.zero_grad(set_to_none=True)
+        scaler.scale(loss_fn(model, *batch(step + 10, rank, "float32"))).backward()
+        before = params_of(model)
+        if step == 1 and rank == 1:
+            with torch.no_grad():
+                g = model.module.fc2.weight.grad if engine == "ddp" else model.fc2.weight.grad
+                (g.to_local() if hasattr(g, "to_local") else g)[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        after = params_of(model)
+        results.append(dict(changed=any(not torch.equal(before[k], after[k]) for k in before),
+                            unchanged_all=all(torch.equal(before[k], after[k]) for k in before),
+                            scale=scaler.get_scale(),
+                            steps=sorted({float(s["step"]) for s in opt.state.values()})))
+    return results
+
+
+def _clip_grad_norm_dtensor(rank):
+    """mpfused.clip_grad_norm_ on FSDP2 DTensor grads = torch's (global norm), and clips alike."""
+    import mpfused
+    model = _wrap(make_model("float32"), "fsdp", (2,))
+    loss_fn(model, *batch(0, rank, "float32")).backward()
+    params = list(model.parameters())
+    saved = [p.grad.detach().clone() for p in params]
+    ref_norm = torch.nn.utils.clip_grad_norm_(params, 0.01)
+    ref_grads = [full(p.grad) for p in params]
+    for p, g in zip(params, saved):
+        p.grad = g
+    norm = mpfused.clip_grad_norm_(params, 0.01)
+    return dict(norm=norm.clone(), ref_norm=full(ref_norm), grads=[full(p.grad) for p in params],
+                ref_grads=ref_grads, local_norm_sq=sum(float(g.to_local().float().pow(2).sum())
+                                                      for g in saved))
+
+
+def _checkpoint(rank, ckpt_dir, name):
+    """FSDP2 run of config `name`: train, DCP-save after CKPT_AT steps, continue; then a fresh
+    model/optimizer/scaler loads the checkpoint (2 -> 2) and continues."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    dtype, opt_name = CONFIGS[name][2], CONFIGS[name][3]
+    out = {}
+
+    def run(model, opt, scaler, steps):
+        for step in steps:
+            opt.zero_grad(set_to_none=True)
+            scaler.scale(loss_fn(model, *batch(step, rank, dtype))).backward()
+            scaler.step(opt)
+            scaler.update()
+
+    model = _wrap(make_model(dtype), "fsdp", (2,))
+    opt = make_optim(model.parameters(), opt_name, None)
+    scaler = make_scaler()
+    run(model, opt, scaler, range(CKPT_AT))
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd, "scaler": scaler.state_dict()}, checkpoint_id=ckpt_dir)
+    out["saved_state"] = state_snapshot(model, opt)
+    out["saved_kinds"] = kinds_of(model, opt)
+    out["saved_params"] = params_of(model)
+    out["saved_scaler"] = scaler.state_dict()
+    run(model, opt, scaler, range(CKPT_AT, STEPS))
+    out["final_params"] = params_of(model)
+    out["final_scale"] = scaler.get_scale()
+
+    model2 = _wrap(make_model(dtype, seed=123), "fsdp", (2,))
+    opt2 = make_optim(model2.parameters(), opt_name, None)
+    scaler2 = make_scaler()
+    msd2, osd2 = get_state_dict(model2, opt2)
+    sd = {"model": msd2, "optim": osd2, "scaler": scaler2.state_dict()}
+    dcp.load(sd, checkpoint_id=ckpt_dir)
+    set_state_dict(model2, opt2, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    scaler2.load_state_dict(sd["scaler"])
+    out["loaded_state"] = state_snapshot(model2, opt2)
+    out["loaded_kinds"] = kinds_of(model2, opt2)
+    out["loaded_params"] = params_of(model2)
+    out["loaded_scaler"] = scaler2.state_dict()
+    run(model2, opt2, scaler2, range(CKPT_AT, STEPS))
+    out["resumed_params"] = params_of(model2)
+    out["resumed_scale"] = scaler2.get_scale()
+    return out
+
+
+def _worker_main(launch, rank, world, out_dir):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # bit-identical forward/backward to the single-process reference
+    try:
+        store = dist.FileStore(os.path.join(out_dir, "store"), world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    except Exception as e:  # noqa: BLE001
+        print(f"{UNAVAILABLE}: {type(e).__name__}: {e}", flush=True)
+        sys.exit(3)
+    jobs = {name: (lambda name=name: _train_dist(name, rank)) for name in LAUNCHES[launch]
+            if CONFIGS[name][3] != "AdamW8bit" or _has_8bit()}
+    jobs["inject"] = lambda: _inject_inf_one_rank(rank, launch, (2,))
+    if launch == "fsdp":
+        jobs["inject_hsdp_2x1"] = lambda: _inject_inf_one_rank(rank, launch, (2, 1))
+        jobs["clip_grad_norm"] = lambda: _clip_grad_norm_dtensor(rank)
+        for name in CKPT_CONFIGS:
+            if CONFIGS[name][3] != "AdamW8bit" or _has_8bit():
+                jobs["ckpt_" + name] = (lambda name=name: _checkpoint(
+                    rank, os.path.join(out_dir, "ckpt_" + name), name))
+    results = {}
+    try:
+        for job, fn in jobs.items():
+            try:  # one failing scenario fails its own tests only
+                results[job] = fn()
+            except Exception:  # noqa: BLE001
+                results[job] = {"error": traceback.format_exc()}
+            dist.barrier()
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- launching --------------------------------------------------------------------------------
+def _launch(launch: str, out_dir: str):
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "tests.test_distributed", launch, "{rank}", str(WORLD), out_dir]
+    try:
+        procs = [subprocess.Popen([c.format(rank=r) for c in cmd], cwd=REPO, env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                 for r in range(WORLD)]
+    except OSError as e:
+        pytest.skip(f"cannot spawn worker processes: {e}")
+    deadline = time.monotonic() + TIMEOUT_S
+    logs = []
+    try:
+        for p in procs:
+            logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        logs = [p.communicate()[0] for p in procs]
+        pytest.fail(f"{launch}: workers did not finish in {TIMEOUT_S} s (hang in a collective?)\n"
+                    + "\n".join(logs[-2:])[-6000:])
+    if any(UNAVAILABLE in log for log in logs):
+        pytest.skip("gloo process group unavailable here: "
+                    + next(log for log in logs if UNAVAILABLE in log).strip()[-300:])
+    for r, (p, log) in enumerate(zip(procs, logs)):
+        if p.returncode != 0:
+            pytest.fail(f"{launch}: rank {r} exited with {p.returncode}:\n{log[-6000:]}")
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
+            for r in range(WORLD)]
+
+
+@pytest.fixture(scope="module")
+def ddp_results():
+    with tempfile.TemporaryDirectory() as d:
+        yield _launch("ddp", d)
+
+
+@pytest.fixture(scope="module")
+def fsdp_results():
+    with tempfile.TemporaryDirectory() as d:
+        results = _launch("fsdp", d)
+        results[0]["dir"] = d
+        yield results
+
+
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def _results(request, name, fixture=None):
+    """Every rank's result of scenario `name` (fails with the worker's traceback if it raised)."""
+    fixture = fixture or ("ddp_results" if CONFIGS[name][0] == "ddp" else "fsdp_results")
+    if name in CONFIGS and CONFIGS[name][3] == "AdamW8bit" and not _has_8bit():
+        pytest.skip("mpfused.AdamW8bit does not exist in this checkout")
+    out = [res[name] for res in request.getfixturevalue(fixture)]
+    for rank, r in enumerate(out):
+        if isinstance(r, dict) and "error" in r:
+            pytest.fail(f"rank {rank}, scenario {name}:\n{r['error']}")
+    return out
+
+
+def _check_kinds(pname, kinds, saved_kinds):
+    """After a DCP load: the saved keys, ``step`` a float32 0-d tensor, fp32 moments/masters as
+    DTensors with the param's placements, 8-bit codes uint8 (and absmax fp32)."""
+    assert set(kinds) == set(saved_kinds), pname
+    assert kinds["step"] == ("Tensor", "torch.float32", ()), pname
+    for key, kind in kinds.items():
+        assert kind == saved_kinds[key], (pname, key, kind, saved_kinds[key])
+        if key in ("exp_avg", "exp_avg_sq", "master"):
+            assert kind[:2] in (("DTensor", "torch.float32"), ("DTensor", "torch.uint8"),
+                                ("Tensor", "torch.uint8")), (pname, key, kind)
+        elif "absmax" in key:
+            assert kind[1] == "torch.float32", (pname, key, kind)
+
+
+def _full_state(results, pname, key):
+    """A state tensor of the whole param from the ranks' snapshots: DTensor state is snapshotted
+    as full tensors; plain per-shard state (8-bit codes, absmax) is concatenated (dim-0 shards whose
+    numel is a multiple of the block size: the blocks of the whole param)."""
+    if results[0]["saved_kinds"][pname][key][0] == "DTensor" or key == "step":
+        return results[0]["saved_state"][pname][key]
+    return torch.cat([r["saved_state"][pname][key] for r in results])
+
+
+def _ckpt_results(request, name):
+    if CONFIGS[name][3] == "AdamW8bit" and not _has_8bit():
+        pytest.skip("mpfused.AdamW8bit does not exist in this checkout")
+    return _results(request, "ckpt_" + name, "fsdp_results")
+
+
+# ---- tests ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_matches_single_process(request, one_thread, name):
+    results = _results(request, name)
+    clip = CONFIGS[name][5]
+    model, opt, _, scales = train_single(name)
+    ref = params_of(model)
+    for rank, res in enumerate(results):
+        got = res["params"]
+        assert set(got) == set(ref)
+        for k in ref:
+            assert got[k].dtype == ref[k].dtype
+            if clip is None:  # no clipping: bit-identical (see the module docstring)
+                assert torch.equal(got[k], ref[k]), f"rank {rank} {name} {k}: not bit-identical"
+            else:
+                torch.testing.assert_close(got[k].float(), ref[k].float(), **CLIP_TOL,
+                                           msg=lambda m: f"rank {rank} {name} {k}: {m}")
+        if CONFIGS[name][4]:
+            assert res["scales"] == scales, f"rank {rank}: loss scale trajectory"
+        # The inf in rank 1's half of INF_STEP made every rank skip that step.
+        before, after = res["before_inf_step"], res["after_inf_step"]
+        assert all(torch.equal(before[k], after[k]) for k in before), f"rank {rank} stepped"
+    # Optimizer state (every key, 8-bit codes and absmax included) as the single run's.
+    snap = state_snapshot(model, opt)
+    for rank, res in enumerate(results):
+        for pname, st in snap.items():
+            got = res["state"][pname]
+            assert set(got) == set(st), (rank, pname)
+            assert float(got["step"]) == float(st["step"]) == STEPS - 1  # one skipped step
+            if clip is not None:
+                continue
+            for key, want in st.items():
+                have = got[key]
+                if (CONFIGS[name][0] == "fsdp" and key != "step"
+                        and res["state_kinds"][pname][key][0] != "DTensor"):
+                    have = torch.cat([r["state"][pname][key] for r in results])  # per shard
+                assert have.dtype == want.dtype and torch.equal(have, want), (rank, pname, key)
+
+
+@pytest.mark.parametrize("name", [n for n in CONFIGS if CONFIGS[n][3] == "AdamW8bit"])
+def test_8bit_rule_on_global_shape(request, name):
+    results = _results(request, name)
+    for res in results:
+        kinds = res["state_kinds"]
+        prefix = ""
+        # fc2.weight: 4608 global elements (2304 local under FSDP2) -> 8-bit codes.
+        assert kinds[prefix + "fc2.weight"]["exp_avg"][1] == "torch.uint8"
+        assert kinds[prefix + "fc2.weight"]["exp_avg_absmax"][2] == (
+            (9,) if CONFIGS[name][0] == "fsdp" else (18,))  # blocks of the local shard
+        # 1536-element fc1.weight and the biases keep fp32 moments.
+        assert kinds[prefix + "fc1.weight"]["exp_avg"][1] == "torch.float32"
+        assert kinds[prefix + "fc3.bias"]["exp_avg"][1] == "torch.float32"
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp", "hsdp_2x1"])
+def test_inf_on_one_rank_skips_everywhere(request, engine):
+    """Inf written into rank 1's grad after the backward: the step is skipped on every rank
+    (params bit-identical to before, step counters unchanged), the scale backs off on every rank.
+    hsdp_2x1: a 2-D mesh whose shard dim has size 1, so only a reduction over the Replicate dim
+    makes rank 0 see it."""
+    key = "inject" if engine != "hsdp_2x1" else "inject_hsdp_2x1"
+    results = _results(request, key, "ddp_results" if engine == "ddp" else "fsdp_results")
+    for rank, res in enumerate(results):
+        first, second = res
+        assert first["changed"] and first["scale"] == 2.0**10 and first["steps"] == [1.0]
+        assert second["unchanged_all"], f"rank {rank} stepped on another rank's inf"
+        assert second["scale"] == 2.0**9, f"rank {rank} did not back off"
+        assert second["steps"] == [1.0]
+
+
+def test_clip_grad_norm_dtensor(request):
+    for r in _results(request, "clip_grad_norm", "fsdp_results"):
+        torch.testing.assert_close(r["norm"], r["ref_norm"], rtol=1e-6, atol=0)
+        assert abs(r["norm"].item() ** 2 - r["local_norm_sq"]) > 1e-3 * r["local_norm_sq"]
+        for g, rg in zip(r["grads"], r["ref_grads"]):
+            torch.testing.assert_close(g, rg, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", CKPT_PARAMS)
+def test_checkpoint_2_to_2(request, name):
+    for rank, c in enumerate(_ckpt_results(request, name)):
+        for pname, kinds in c["loaded_kinds"].items():
+            _check_kinds(pname, kinds, c["saved_kinds"][pname])
+        for pname, st in c["saved_state"].items():
+            for key, v in st.items():
+                assert torch.equal(c["loaded_state"][pname][key], v), (pname, key)
+        for k, v in c["saved_params"].items():
+            assert torch.equal(c["loaded_params"][k], v)
+        assert c["loaded_scaler"] == c["saved_scaler"]
+        assert c["saved_scaler"]["scale"] != 2.0**10  # backed off at INF_STEP: a real load
+        for k, v in c["final_params"].items():
+            assert torch.equal(c["resumed_params"][k], v), f"rank {rank} {k}: resume diverged"
+        assert c["resumed_scale"] == c["final_scale"]
+
+
+@pytest.mark.parametrize("name", CKPT_PARAMS)
+def test_checkpoint_2_to_1(request, fsdp_results, one_thread, name):
+    """The 2-rank checkpoint loaded into a plain single-process model (re-sharding), then trained
+    on: same state bit for bit, fp32 state, and the same params as the 2-rank continuation."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    cs = _ckpt_results(request, name)
+    c = cs[0]
+    dtype, opt_name = CONFIGS[name][2], CONFIGS[name][3]
+    model = make_model(dtype, seed=123)
+    opt = make_optim(model.parameters(), opt_name, None)
+    scaler = make_scaler()
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd, "scaler": scaler.state_dict()}
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "running in no_dist mode"
+        dcp.load(sd, checkpoint_id=os.path.join(fsdp_results[0]["dir"], "ckpt_" + name))
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    scaler.load_state_dict(sd["scaler"])
+    assert scaler.state_dict() == c["saved_scaler"]
+    for k, v in params_of(model).items():
+        assert torch.equal(v, c["saved_params"][k])
+    loaded = state_snapshot(model, opt)
+    for pname, st in c["saved_state"].items():
+        assert set(loaded[pname]) == set(st), pname
+        for key in st:
+            want = _full_state(cs, pname, key)
+            got = loaded[pname][key]
+            assert got.dtype == want.dtype and got.dtype in (torch.float32, torch.uint8), (
+                pname, key, got.dtype)
+            assert torch.equal(got, want), (pname, key)
+    train_single(name, steps=range(CKPT_AT, STEPS), model=model, opt=opt, scaler=scaler)
+    for k, v in params_of(model).items():
+        assert torch.equal(v, c["final_params"][k]), f"{k}: 2 -> 1 resume diverged"
+    assert scaler.get_scale() == c["final_scale"]
+
+
+if __name__ == "__main__":
+    _worker_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
