@@ -30,6 +30,8 @@ What happens where
   ``set_state_dict`` with ``dcp.save`` / ``dcp.load``: fp32 moments and masters are saved as
   DTensors (re-shardable, e.g. 2 ranks -> 1), ``step`` as a float32 0-d tensor, and mpfused's load
   hooks keep every floating state fp32 after the load (torch would cast it to the param dtype).
+  Not yet for ``AdamW8bit`` under FSDP2: the 8-bit codes/absmax of a sharded param are plain
+  per-shard tensors, which DCP would take for replicated copies (its load refuses them).
 
 Collectives are issued in param order, identically on every rank (SPMD): all ranks must call
 ``step`` together, as with any collective.
