@@ -6,7 +6,8 @@ mpfused.AdamW (fp32 state). Each model size is a list of 512x512 weights plus a 
 per weight (biases are below min_8bit_size and keep fp32 state everywhere). Grads are set once;
 every optimizer runs `--warmup` steps (torchao compiles there), then the optimizers take turns
 (`--rounds` rounds of `--steps` steps each, so a change of machine load hits all of them) and the
-median step time is reported. Bytes/param counts each distinct state tensor once, for the large
+median step time is reported, with the median process CPU time per step (all threads; steadier
+than wall time on a shared machine, exact with --threads 1). Bytes/param counts each distinct state tensor once, for the large
 (8-bit) tensors only and for the whole model.
 
 Writes benchmarks/results/bench_adamw8bit_<device>_<date>.{json,csv}. Not a test:
@@ -107,16 +108,18 @@ def bench(sizes, steps, rounds, warmup):
             t0 = time.perf_counter()
             for _ in range(warmup):
                 opt.step()
-            runs[name] = dict(params=params, opt=opt, times=[],
+            runs[name] = dict(params=params, opt=opt, times=[], cpu=[],
                               warmup_s=time.perf_counter() - t0)
         for _ in range(rounds):
             for name, r in runs.items():
                 for _ in range(steps):
-                    t0 = time.perf_counter()
+                    c0, t0 = time.process_time(), time.perf_counter()
                     r["opt"].step()
                     r["times"].append(time.perf_counter() - t0)
+                    r["cpu"].append(time.process_time() - c0)
         numel = sum(p.numel() for p in runs["torch.AdamW(fused)"]["params"])
         ref = statistics.median(runs["torch.AdamW(fused)"]["times"])
+        ref_cpu = statistics.median(runs["torch.AdamW(fused)"]["cpu"])
         for name, r in runs.items():
             med = statistics.median(r["times"])
             big = [p for p in r["params"] if p.dim() == 2]
@@ -124,6 +127,8 @@ def bench(sizes, steps, rounds, warmup):
                 optimizer=name, params=numel, tensors=len(r["params"]),
                 median_ms=med * 1e3, p10_ms=statistics.quantiles(r["times"], n=10)[0] * 1e3,
                 mparam_per_s=numel / med / 1e6, vs_torch_fused=med / ref,
+                cpu_ms=statistics.median(r["cpu"]) * 1e3,
+                cpu_vs_torch_fused=statistics.median(r["cpu"]) / ref_cpu,
                 state_bytes_per_param_large=_state_bytes(r["opt"], big) / sum(p.numel() for p in big),
                 state_bytes_per_param_all=_state_bytes(r["opt"], r["params"]) / numel,
                 warmup_s=r["warmup_s"], steps_timed=len(r["times"])))
@@ -159,7 +164,8 @@ def main():
     os.makedirs(args.out, exist_ok=True)
     tag = "".join(c if c.isalnum() else "-" for c in meta["device"]).strip("-")
     tag = "-".join(filter(None, tag.split("-")))[:40]
-    stem = os.path.join(args.out, f"bench_adamw8bit_{tag}_{datetime.date.today().isoformat()}")
+    stem = os.path.join(args.out, f"bench_adamw8bit_{tag}_{meta['threads']}t_"
+                        f"{datetime.date.today().isoformat()}")
     with open(stem + ".json", "w") as f:
         json.dump(dict(meta=meta, results=rows), f, indent=2)
     with open(stem + ".csv", "w", newline="") as f:
