@@ -251,6 +251,9 @@ def test_load_rejects_block_size_shape_and_absmax_mismatch():
     with pytest.raises(ValueError, match=r"param 0 of param group 0 .*block_size=256.*"
                                          r"block_size=512"):
         other.load_state_dict(sd)
+    sd_no_format = {k: v for k, v in sd.items() if k != "mpfused_8bit"}  # as a checkpointer
+    with pytest.raises(ValueError, match="block_size=256"):           # keeping only the two
+        other.load_state_dict(sd_no_format)                           # standard keys
     _, wrong_shape = _stepped(256, shape=(100, 64))
     with pytest.raises(ValueError, match=r"param 0 of param group 0 .*shape \(64, 100\)"):
         wrong_shape.load_state_dict(sd)
