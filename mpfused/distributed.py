@@ -30,8 +30,14 @@ What happens where
   ``set_state_dict`` with ``dcp.save`` / ``dcp.load``: fp32 moments and masters are saved as
   DTensors (re-shardable, e.g. 2 ranks -> 1), ``step`` as a float32 0-d tensor, and mpfused's load
   hooks keep every floating state fp32 after the load (torch would cast it to the param dtype).
-  Not yet for ``AdamW8bit`` under FSDP2: the 8-bit codes/absmax of a sharded param are plain
-  per-shard tensors, which DCP would take for replicated copies (its load refuses them).
+  ``AdamW8bit``: its live codes/absmax are per local shard, but ``state_dict()`` hands them in
+  the unsharded layout (codes: uint8 DTensors with the param's placements; absmax: float32
+  DTensors of ceil(numel / block_size) entries, the whole param's blocks), i.e. the keys, dtypes
+  and global shapes of a single-process ``AdamW8bit``, so DCP re-shards them (2 ranks -> 2 or
+  1). When every shard's blocks are blocks of the whole param (FSDP2: each local numel a
+  multiple of ``block_size`` and the blocks split evenly) save and load are exact views with no
+  collective; otherwise the state is re-blocked at save (a small MAX-all-reduce per param) and
+  re-quantized at load (nearest codes, not bit-exact), and those calls are collectives.
 
 Collectives are issued in param order, identically on every rank (SPMD): all ranks must call
 ``step`` together, as with any collective.

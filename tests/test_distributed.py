@@ -57,14 +57,17 @@ CONFIGS = {
     "fsdp_1x2_clip": ("fsdp", (1, 2), "float32", "AdamW", True, 0.05),
 }
 CKPT_CONFIGS = ["fsdp_bf16", "fsdp_8bit"]
-# AdamW8bit (mpfused/optim/adamw8bit.py, not part of this change) keeps the 8-bit codes/absmax of
-# a DTensor param as plain per-shard tensors, which DCP takes for replicated (one rank's copy is
-# saved and loaded everywhere), and its load pre-hook compares DTensor state's global shape with
-# the local shard's: an FSDP2 + DCP round trip fails. See the README, "Distributed training".
-_8BIT_DCP = pytest.mark.xfail(reason="AdamW8bit state of FSDP2 params is not DCP-ready yet",
-                              strict=False)
-CKPT_PARAMS = [pytest.param(n, marks=_8BIT_DCP) if CONFIGS[n][3] == "AdamW8bit" else n
-               for n in CKPT_CONFIGS]
+CKPT_PARAMS = CKPT_CONFIGS
+# fsdp_8bit with every param 8-bit (min_8bit_size=0): fc3.weight (4 + 3 rows of 48 elements) and
+# the biases have shards that are not block-aligned, so a checkpoint re-blocks their state into
+# the whole param's blocks (and a load into the 2-rank layout re-blocks it back); fc1.weight (768
+# per rank, 3 blocks) and fc2.weight (2304, 9 blocks) stay aligned: exact.
+UNALIGNED_8BIT = "fsdp_8bit_unaligned"
+UNALIGNED_KW = dict(min_8bit_size=0)
+ALIGNED_8BIT_PARAMS = {"fc1.weight", "fc2.weight"}
+# Resuming from re-blocked (requantized) state: the params follow the exact continuation within
+# the 8-bit quantization noise of the moments (4 steps at lr 1e-2).
+UNALIGNED_TOL = dict(rtol=0, atol=2e-3)
 LAUNCHES = {"ddp": [n for n, c in CONFIGS.items() if c[0] == "ddp"],
             "fsdp": [n for n, c in CONFIGS.items() if c[0] == "fsdp"]}
 
@@ -109,11 +112,12 @@ def loss_fn(model, x, y):
     return torch.nn.functional.mse_loss(model(x).float(), y)
 
 
-def make_optim(params, opt: str, max_grad_norm):
+def make_optim(params, opt: str, max_grad_norm, **kw):
     import mpfused
 
     if opt == "AdamW8bit":
-        return mpfused.AdamW8bit(params, lr=1e-2, weight_decay=0.1, max_grad_norm=max_grad_norm)
+        return mpfused.AdamW8bit(params, lr=1e-2, weight_decay=0.1, max_grad_norm=max_grad_norm,
+                                 **kw)
     return mpfused.AdamW(params, lr=1e-2, weight_decay=0.1, max_grad_norm=max_grad_norm)
 
 
@@ -259,7 +263,7 @@ def _clip_grad_norm_dtensor(rank):
                                                       for g in saved))
 
 
-def _checkpoint(rank, ckpt_dir, name):
+def _checkpoint(rank, ckpt_dir, name, **optim_kw):
     """FSDP2 run of config `name`: train, DCP-save after CKPT_AT steps, continue; then a fresh
     model/optimizer/scaler loads the checkpoint (2 -> 2) and continues."""
     import torch.distributed.checkpoint as dcp
@@ -276,7 +280,7 @@ def _checkpoint(rank, ckpt_dir, name):
             scaler.update()
 
     model = _wrap(make_model(dtype), "fsdp", (2,))
-    opt = make_optim(model.parameters(), opt_name, None)
+    opt = make_optim(model.parameters(), opt_name, None, **optim_kw)
     scaler = make_scaler()
     run(model, opt, scaler, range(CKPT_AT))
     msd, osd = get_state_dict(model, opt)
@@ -290,7 +294,7 @@ def _checkpoint(rank, ckpt_dir, name):
     out["final_scale"] = scaler.get_scale()
 
     model2 = _wrap(make_model(dtype, seed=123), "fsdp", (2,))
-    opt2 = make_optim(model2.parameters(), opt_name, None)
+    opt2 = make_optim(model2.parameters(), opt_name, None, **optim_kw)
     scaler2 = make_scaler()
     msd2, osd2 = get_state_dict(model2, opt2)
     sd = {"model": msd2, "optim": osd2, "scaler": scaler2.state_dict()}
@@ -327,6 +331,9 @@ def _worker_main(launch, rank, world, out_dir):
             if CONFIGS[name][3] != "AdamW8bit" or _has_8bit():
                 jobs["ckpt_" + name] = (lambda name=name: _checkpoint(
                     rank, os.path.join(out_dir, "ckpt_" + name), name))
+        if _has_8bit():
+            jobs["ckpt_" + UNALIGNED_8BIT] = lambda: _checkpoint(
+                rank, os.path.join(out_dir, "ckpt_" + UNALIGNED_8BIT), "fsdp_8bit", **UNALIGNED_KW)
     results = {}
     try:
         for job, fn in jobs.items():
@@ -433,7 +440,23 @@ def _full_state(results, pname, key):
     return torch.cat([r["saved_state"][pname][key] for r in results])
 
 
+def _reblocked(results, pname, key):
+    """(codes, absmax) of 8-bit state `key` in the whole param's block layout, as a checkpoint
+    holds it: the ranks' dequantized shards concatenated and quantized as one tensor."""
+    import mpfused.quant_maps as qm
+
+    qmap = qm.signed_map() if key == "exp_avg" else qm.unsigned_map()
+    values = torch.cat([qm.dequantize_blockwise(r["saved_state"][pname][key],
+                                                r["saved_state"][pname][key + "_absmax"], qmap,
+                                                256) for r in results])
+    return qm.quantize_blockwise(values, qmap, 256)
+
+
 def _ckpt_results(request, name):
+    if name == UNALIGNED_8BIT:
+        if not _has_8bit():
+            pytest.skip("mpfused.AdamW8bit does not exist in this checkout")
+        return _results(request, "ckpt_" + name, "fsdp_results")
     if CONFIGS[name][3] == "AdamW8bit" and not _has_8bit():
         pytest.skip("mpfused.AdamW8bit does not exist in this checkout")
     return _results(request, "ckpt_" + name, "fsdp_results")
@@ -570,6 +593,112 @@ def test_checkpoint_2_to_1(request, fsdp_results, one_thread, name):
     train_single(name, steps=range(CKPT_AT, STEPS), model=model, opt=opt, scaler=scaler)
     for k, v in params_of(model).items():
         assert torch.equal(v, c["final_params"][k]), f"{k}: 2 -> 1 resume diverged"
+    assert scaler.get_scale() == c["final_scale"]
+
+
+@pytest.mark.parametrize("name", ["fsdp_8bit", UNALIGNED_8BIT])
+def test_8bit_checkpoint_holds_the_unsharded_layout(request, fsdp_results, name):
+    """The DCP checkpoint of a sharded AdamW8bit has the keys, dtypes and global shapes of a
+    single-process AdamW8bit state_dict: codes of the param's shape, one absmax per block of the
+    whole param (any number of ranks, 1 included, loads it)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    _ckpt_results(request, name)
+    meta = FileSystemReader(os.path.join(fsdp_results[0]["dir"], "ckpt_" + name)).read_metadata()
+    model = make_model("float32")
+    opt = make_optim(model.parameters(), "AdamW8bit", None,
+                     **(UNALIGNED_KW if name == UNALIGNED_8BIT else {}))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    names = {id(p): n for n, p in model.named_parameters()}
+    sd = opt.state_dict()
+    pids = [i for g in sd["param_groups"] for i in g["params"]]
+    checked = 0
+    for pid, p in zip(pids, [p for g in opt.param_groups for p in g["params"]]):
+        for key, want in sd["state"][pid].items():
+            if key == "step":
+                continue
+            got = meta.state_dict_metadata[f"optim.state.{names[id(p)]}.{key}"]
+            assert tuple(got.size) == tuple(want.shape), (names[id(p)], key, got.size)
+            assert got.properties.dtype == want.dtype, (names[id(p)], key)
+            checked += want.dtype == torch.uint8
+    assert checked == (12 if name == UNALIGNED_8BIT else 2)  # exp_avg/exp_avg_sq per 8-bit param
+
+
+def test_checkpoint_8bit_unaligned_2_to_2(request):
+    """Shards that are not block-aligned: the loaded state is the checkpoint's whole-param blocks
+    re-quantized per local shard (exactly that), aligned params load bit-exact, and training
+    resumes within quantization noise of the uninterrupted run."""
+    import mpfused.quant_maps as qm
+
+    cs = _ckpt_results(request, UNALIGNED_8BIT)
+    for c in cs:
+        for pname, kinds in c["loaded_kinds"].items():
+            _check_kinds(pname, kinds, c["saved_kinds"][pname])
+            assert kinds["exp_avg"][1] == "torch.uint8", pname  # every param 8-bit
+    for rank, c in enumerate(cs):
+        for pname, st in c["saved_state"].items():
+            assert torch.equal(c["loaded_state"][pname]["step"], st["step"])
+            rows = [r["saved_state"][pname]["exp_avg"].shape[0] for r in cs]
+            lo = sum(rows[:rank])
+            for key in ("exp_avg", "exp_avg_sq"):
+                if pname in ALIGNED_8BIT_PARAMS:
+                    want_codes, want_absmax = st[key], st[key + "_absmax"]
+                else:
+                    qmap = qm.signed_map() if key == "exp_avg" else qm.unsigned_map()
+                    values = qm.dequantize_blockwise(*_reblocked(cs, pname, key), qmap, 256)
+                    want_codes, want_absmax = qm.quantize_blockwise(
+                        values[lo:lo + rows[rank]], qmap, 256)
+                assert torch.equal(c["loaded_state"][pname][key], want_codes), (rank, pname, key)
+                assert torch.equal(c["loaded_state"][pname][key + "_absmax"], want_absmax), (
+                    rank, pname, key)
+        for k, v in c["saved_params"].items():
+            assert torch.equal(c["loaded_params"][k], v)
+        for k, v in c["final_params"].items():
+            torch.testing.assert_close(c["resumed_params"][k], v, **UNALIGNED_TOL,
+                                       msg=lambda m: f"rank {rank} {k}: {m}")
+        assert c["resumed_scale"] == c["final_scale"]
+
+
+def test_checkpoint_8bit_unaligned_2_to_1(request, fsdp_results, one_thread):
+    """The same checkpoint in one process: the unaligned params' 8-bit state is the whole-param
+    quantization of the ranks' dequantized shards, the aligned ones' the ranks' codes and absmax
+    concatenated (both bit for bit), then training resumes within quantization noise."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    cs = _ckpt_results(request, UNALIGNED_8BIT)
+    c = cs[0]
+    model = make_model("float32", seed=123)
+    opt = make_optim(model.parameters(), "AdamW8bit", None, **UNALIGNED_KW)
+    scaler = make_scaler()
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd, "scaler": scaler.state_dict()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "running in no_dist mode"
+        dcp.load(sd, checkpoint_id=os.path.join(fsdp_results[0]["dir"], "ckpt_" + UNALIGNED_8BIT))
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    scaler.load_state_dict(sd["scaler"])
+    for k, v in params_of(model).items():
+        assert torch.equal(v, c["saved_params"][k])
+    loaded = state_snapshot(model, opt)
+    for pname, st in c["saved_state"].items():
+        assert set(loaded[pname]) == set(st), pname
+        assert torch.equal(loaded[pname]["step"], st["step"])
+        for key in ("exp_avg", "exp_avg_sq"):
+            if pname in ALIGNED_8BIT_PARAMS:  # the ranks' blocks are the whole param's: exact
+                codes, absmax = (_full_state(cs, pname, k) for k in (key, key + "_absmax"))
+            else:
+                codes, absmax = _reblocked(cs, pname, key)
+            assert torch.equal(loaded[pname][key], codes), (pname, key)
+            assert torch.equal(loaded[pname][key + "_absmax"], absmax), (pname, key)
+    train_single("fsdp_8bit", steps=range(CKPT_AT, STEPS), model=model, opt=opt, scaler=scaler)
+    for k, v in params_of(model).items():
+        torch.testing.assert_close(v, c["final_params"][k], **UNALIGNED_TOL,
+                                   msg=lambda m: f"{k}: {m}")
     assert scaler.get_scale() == c["final_scale"]
 
 

@@ -37,8 +37,20 @@ param's), from any ``map_location``, and rejects a block size, shape or absmax l
 not match, naming the param and the rule. It also accepts a ``torch.optim.AdamW``/``Adam``
 state_dict (moments are quantized) and a bitsandbytes ``AdamW8bit`` one (``state1``/``absmax1``
 ...; 256-element blocks). ``to_torch_state_dict()`` returns a state_dict that
-``torch.optim.AdamW`` (``Adam`` for ``Adam8bit``) loads, with dequantized fp32 moments;
-``from_torch_state_dict(sd)`` is ``load_state_dict(sd)``.
+``torch.optim.AdamW`` (``Adam`` for ``Adam8bit``) loads, with dequantized fp32 moments (DTensors
+for DTensor params); ``from_torch_state_dict(sd)`` is ``load_state_dict(sd)``.
+
+FSDP2 / DCP: the live codes and absmax of a DTensor param are per local shard (plain tensors,
+blocks of the local shard). ``state_dict()`` gives them in the unsharded layout, so a DCP
+checkpoint has this format's keys, dtypes and global shapes on any number of ranks: codes as a
+uint8 DTensor with the param's placements, absmax as a float32 DTensor of ceil(numel /
+block_size) entries (the whole param's blocks, ``Shard(0)`` where the param is sharded).
+Block-aligned shards (each rank's blocks are whole-param blocks, see ``_aligned``) are saved and
+loaded as views: exact, no collective. Otherwise saving re-blocks (dequantize, MAX-all-reduce
+of the whole-param block absmax, re-encode to the nearest codes) and a load re-quantizes per
+local shard: not bit-exact, and ``state_dict()`` / ``load_state_dict`` are then collectives (all
+ranks call them, as ``get_state_dict`` / ``set_state_dict`` do). A per-rank (plain, local layout)
+state_dict of earlier versions still loads on the same layout.
 
 Scaler contract and clipping are ``mpfused.AdamW``'s: ``grad_scale``/``found_inf``/
 ``grad_norm_sq`` are read on device, a step with found_inf > 0 changes nothing (step counters
@@ -374,8 +386,8 @@ class Adam8bit(AdamW8bit):
 # block is MAX-all-reduced over the mesh and each rank re-encodes its elements with it (the
 # codes of bitsandbytes' encoder applied to the unsharded dequantized state); a load into a
 # layout that is not aligned dequantizes with the global absmax and re-quantizes per local
-# shard. Both round to neighbouring codes at most (not bit-exact); every rank decides alike
-# from global facts, so the collectives match.
+# shard. Both round to the nearest codes of the new blocks (not bit-exact); every rank decides
+# alike from global facts, so the collectives match.
 def _local_range(n: int, parts: int, i: int) -> tuple[int, int]:
     """[lo, hi) of chunk i of n items cut in `parts` (torch.chunk / DTensor Shard semantics)."""
     size = -(-n // parts)
@@ -596,14 +608,17 @@ def _check_and_stash_8bit(optimizer, state_dict):
                     f"block_size={block}, this optimizer uses block_size={group['block_size']}; "
                     "a block-wise state is only valid for the block size it was quantized with. "
                     f"Construct the optimizer with block_size={block}.")
-            blocks = num_blocks(local.numel(), block)
             for key in ("exp_avg_absmax", "exp_avg_sq_absmax"):
                 absmax = saved.get(key)
+                # A DTensor absmax (DCP) holds the blocks of the whole param, a plain one those
+                # of the local tensor.
+                numel = (p if is_dtensor(absmax) else local).numel()
+                blocks = num_blocks(numel, block)
                 if not isinstance(absmax, torch.Tensor) or absmax.numel() != blocks:
                     got = "missing" if absmax is None else f"{absmax.numel()} entries"
                     raise ValueError(
                         f"load_state_dict: {_where(gi, pi, p)}: {key} is {got}, but "
-                        f"ceil(numel / block_size) = ceil({local.numel()} / {block}) = {blocks} "
+                        f"ceil(numel / block_size) = ceil({numel} / {block}) = {blocks} "
                         "are required (a checkpoint quantized with another block size, e.g. "
                         "bitsandbytes < 0.44 used 2048?)")
     groups = []
@@ -635,10 +650,20 @@ def _restore_8bit(optimizer):
         if not saved:
             continue
         state, local = optimizer.state[p], _local(p)
+        saved = dict(saved)
+        for key, qmap, absmax_key in (("exp_avg", signed_map, "exp_avg_absmax"),
+                                      ("exp_avg_sq", unsigned_map, "exp_avg_sq_absmax")):
+            codes, absmax = saved.get(key), saved.get(absmax_key)
+            if (isinstance(codes, torch.Tensor) and codes.dtype == torch.uint8
+                    and isinstance(absmax, torch.Tensor)
+                    and (is_dtensor(codes) or is_dtensor(absmax))):  # DCP: the global layout
+                saved[key], saved[absmax_key] = _from_global(
+                    p, codes, absmax, qmap(local.device), group["block_size"])
         for key in _8BIT_KEYS:
             value = saved.get(key)
             if isinstance(value, torch.Tensor) and (value.dtype == torch.uint8 or "absmax" in key):
                 dtype = torch.uint8 if value.dtype == torch.uint8 else torch.float32
+                value = _local(value)
                 restored = value.to(device=local.device, dtype=dtype).contiguous()
                 # never alias the caller's tensors (e.g. a live optimizer's state_dict())
                 state[key] = restored.clone() if restored.data_ptr() == value.data_ptr() else restored
