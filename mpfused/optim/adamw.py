@@ -128,21 +128,26 @@ class AdamW(Optimizer):
         for b in buckets:
             for p in b.params:
                 self._init_state(group, p)
-            st = [self.state[p] for p in b.params]
-            mode = self._master_mode(group, b.params[0])
-            b.state = {
-                "steps": [s["step"] for s in st],
-                "exp_avgs": [_local(s["exp_avg"]) for s in st],
-                "exp_avg_sqs": [_local(s["exp_avg_sq"]) for s in st],
-                "max_exp_avg_sqs": [_local(s["max_exp_avg_sq"]) for s in st] if group["amsgrad"] else [],
-                "masters": ([_local(s["master"]) for s in st] if mode == 1 else
-                            [_local(s["master_remainder"]) for s in st] if mode == 2 else []),
-                "mode": mode,
-                "local_params": [_local(p) for p in b.params],
-            }
+            self._fill_bucket(group, b)
         plan = GroupPlan(key=key, buckets=buckets)
         self._plans[index] = plan
         return plan
+
+    def _fill_bucket(self, group, b) -> None:
+        """The kernel operand lists of a bucket, cached until the plan is rebuilt."""
+        st = [self.state[p] for p in b.params]
+        mode = self._master_mode(group, b.params[0])
+        b.state = {
+            "steps": [s["step"] for s in st],
+            "exp_avgs": [_local(s["exp_avg"]) for s in st],
+            "exp_avg_sqs": [_local(s["exp_avg_sq"]) for s in st],
+            "max_exp_avg_sqs": [_local(s["max_exp_avg_sq"]) for s in st] if group["amsgrad"] else [],
+            "masters": ([_local(s["master"]) for s in st] if mode == MASTER_MODES["fp32"] else
+                        [_local(s["master_remainder"]) for s in st]
+                        if mode == MASTER_MODES["remainder"] else []),
+            "mode": mode,
+            "local_params": [_local(p) for p in b.params],
+        }
 
     # ---- step -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -160,23 +165,22 @@ class AdamW(Optimizer):
             norm_sq, found_inf = self._own_norm(all_grads, grad_scale, found_inf)
         for index, group in enumerate(self.param_groups):
             grads = all_grads[index]
-            plan = self._plan(index, group, grads)
-            beta1, beta2 = group["betas"]
-            lr = group["lr"]
-            lr_tensor = lr if isinstance(lr, torch.Tensor) else None
-            for b in plan.buckets:
+            for b in self._plan(index, group, grads).buckets:
                 dev = b.state["local_params"][0].device
-                adam_ops.adam_step_(
-                    b.state["local_params"], [_local(grads[i]) for i in b.indices],
-                    b.state["exp_avgs"], b.state["exp_avg_sqs"], b.state["max_exp_avg_sqs"],
-                    b.state["masters"], b.state["steps"],
-                    0.0 if lr_tensor is not None else float(lr),
-                    None if lr_tensor is None else lr_tensor.to(dev, non_blocking=True),
-                    float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]),
-                    bool(group["amsgrad"]), bool(group["maximize"]), self._decoupled,
-                    b.state["mode"], _on(grad_scale, dev), _on(found_inf, dev), _on(norm_sq, dev),
-                    float(self.max_grad_norm or 0.0), self._seed, backend=self._backend)
+                self._launch(b, [_local(grads[i]) for i in b.indices], group,
+                             _hyper(group, dev),
+                             (_on(grad_scale, dev), _on(found_inf, dev), _on(norm_sq, dev),
+                              float(self.max_grad_norm or 0.0), self._seed))
         return loss
+
+    def _launch(self, b, grads, group, hyper, scaling) -> None:
+        """One fused kernel call for a bucket: (lr, lr_tensor, betas, eps, weight_decay) in
+        `hyper`, (grad_scale, found_inf, norm_sq, max_grad_norm, seed) in `scaling`."""
+        s = b.state
+        adam_ops.adam_step_(
+            s["local_params"], grads, s["exp_avgs"], s["exp_avg_sqs"], s["max_exp_avg_sqs"],
+            s["masters"], s["steps"], *hyper, bool(group["amsgrad"]), bool(group["maximize"]),
+            self._decoupled, s["mode"], *scaling, backend=self._backend)
 
     def _own_norm(self, all_grads, grad_scale, found_inf):
         """Fused clipping without a scaler: one read-only pass for the norm (and non-finites).
@@ -209,6 +213,16 @@ class Adam(AdamW):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
                  amsgrad=False, **kwargs):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
+
+
+def _hyper(group, device) -> tuple:
+    """(lr, lr_tensor, beta1, beta2, eps, weight_decay) as the ops take them: a tensor lr is read
+    on the device by the kernel, a float one passed as a scalar."""
+    lr = group["lr"]
+    beta1, beta2 = group["betas"]
+    tensor_lr = isinstance(lr, torch.Tensor)
+    return (0.0 if tensor_lr else float(lr), lr.to(device, non_blocking=True) if tensor_lr else None,
+            float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
 
 
 def _capture_health_check(optimizer):

@@ -67,10 +67,9 @@ import weakref
 import torch
 
 from mpfused.distributed import all_reduce_, is_dtensor, mesh_groups
-from mpfused.ops import adam as adam_ops
 from mpfused.ops import adam8bit as adam8bit_ops
 from mpfused.optim._buckets import Bucket, GroupPlan, build_buckets, plan_key
-from mpfused.optim.adamw import MASTER_MODES, AdamW, _local, _on
+from mpfused.optim.adamw import MASTER_MODES, AdamW, _local
 from mpfused.quant_maps import (SIGNED_ZERO_CODE, dequantize_blockwise, encode, inv_scale,
                                 num_blocks, quantize_blockwise, signed_map, unsigned_map,
                                 zero_code)
@@ -251,70 +250,26 @@ class AdamW8bit(AdamW):
         self._plans[index] = plan
         return plan
 
-    def _fill_bucket(self, group, b: Bucket, eight: bool) -> None:
-        st = [self.state[p] for p in b.params]
-        mode = self._master_mode(group, b.params[0])
-        b.state = {
-            "eight": eight,
-            "steps": [s["step"] for s in st],
-            "exp_avgs": [_local(s["exp_avg"]) for s in st],
-            "exp_avg_sqs": [_local(s["exp_avg_sq"]) for s in st],
-            "masters": ([_local(s["master"]) for s in st] if mode == MASTER_MODES["fp32"] else
-                        [_local(s["master_remainder"]) for s in st]
-                        if mode == MASTER_MODES["remainder"] else []),
-            "mode": mode,
-            "local_params": [_local(p) for p in b.params],
-        }
+    def _fill_bucket(self, group, b: Bucket, eight: bool = False) -> None:
+        super()._fill_bucket(group, b)
+        b.state["eight"] = eight
         if eight:
+            st = [self.state[p] for p in b.params]
             dev = b.state["local_params"][0].device
             b.state.update(absmax1s=[s["exp_avg_absmax"] for s in st],
                            absmax2s=[s["exp_avg_sq_absmax"] for s in st],
                            qmap1=signed_map(dev), qmap2=unsigned_map(dev))
 
-    # ---- step --------------------------------------------------------------------------------
-    @torch.no_grad()
-    def step(self, closure=None):
-        getattr(self, "_accelerator_graph_capture_health_check",  # torch >= 2.13 name
-                self._cuda_graph_capture_health_check)()
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        grad_scale = getattr(self, "grad_scale", None)
-        found_inf = getattr(self, "found_inf", None)
-        norm_sq = getattr(self, "grad_norm_sq", None)
-        all_grads = [[p.grad for p in g["params"]] for g in self.param_groups]
-        if self.max_grad_norm and norm_sq is None:
-            norm_sq, found_inf = self._own_norm(all_grads, grad_scale, found_inf)
-        for index, group in enumerate(self.param_groups):
-            grads = all_grads[index]
-            plan = self._plan(index, group, grads)
-            beta1, beta2 = group["betas"]
-            lr = group["lr"]
-            lr_tensor = lr if isinstance(lr, torch.Tensor) else None
-            for b in plan.buckets:
-                s = b.state
-                dev = s["local_params"][0].device
-                head = (s["local_params"], [_local(grads[i]) for i in b.indices], s["exp_avgs"],
-                        s["exp_avg_sqs"])
-                hyper = (0.0 if lr_tensor is not None else float(lr),
-                         None if lr_tensor is None else lr_tensor.to(dev, non_blocking=True),
-                         float(beta1), float(beta2), float(group["eps"]),
-                         float(group["weight_decay"]))
-                scaler = (_on(grad_scale, dev), _on(found_inf, dev), _on(norm_sq, dev),
-                          float(self.max_grad_norm or 0.0), self._seed)
-                if s["eight"]:
-                    adam8bit_ops.adam8bit_step_(
-                        *head, s["absmax1s"], s["absmax2s"], s["masters"], s["steps"],
-                        s["qmap1"], s["qmap2"], int(group["block_size"]), *hyper,
-                        bool(group["maximize"]), self._decoupled, s["mode"], *scaler,
-                        backend=self._backend)
-                else:
-                    adam_ops.adam_step_(
-                        *head, [], s["masters"], s["steps"], *hyper, False,
-                        bool(group["maximize"]), self._decoupled, s["mode"], *scaler,
-                        backend=self._backend)
-        return loss
+    # ---- step: AdamW.step, with 8-bit buckets launched on the 8-bit kernel ----------------------
+    def _launch(self, b, grads, group, hyper, scaling) -> None:
+        s = b.state
+        if not s["eight"]:
+            return super()._launch(b, grads, group, hyper, scaling)
+        adam8bit_ops.adam8bit_step_(
+            s["local_params"], grads, s["exp_avgs"], s["exp_avg_sqs"], s["absmax1s"],
+            s["absmax2s"], s["masters"], s["steps"], s["qmap1"], s["qmap2"],
+            int(group["block_size"]), *hyper, bool(group["maximize"]), self._decoupled, s["mode"],
+            *scaling, backend=self._backend)
 
     # ---- conversions -------------------------------------------------------------------------
     def to_torch_state_dict(self) -> dict:
