@@ -33,6 +33,9 @@ def test_bench_tiny_run_writes_every_recipe(tmp_path):
 
     native = recipes["native"]
     assert native["status"] == "ok" and native["final_loss_gap_pct"] == 0
+    # our own recipes must run on the CPU: "unavailable" there would hide a crash
+    for ours in ("mpfused", "mpfused-8bit"):
+        assert recipes[ours]["status"] == "ok", recipes[ours].get("reason")
     # fp32 weights, grads, exp_avg and exp_avg_sq: 16 B/param (+ a few bytes of step counters).
     assert 16 <= native["state_bytes_per_param"]["total"] < 16.1
     # Untrained loss of a 128-way character model is about ln(128).
