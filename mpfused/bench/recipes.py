@@ -108,6 +108,11 @@ def build_mpfused_8bit(base_model, device, dtype, hp):
                           min_8bit_size=4096, master_weights="fp32")
 
 
+def build_mpfused_8bit_remainder(base_model, device, dtype, hp):
+    return _build_mpfused(base_model, device, dtype, hp, "AdamW8bit", block_size=256,
+                          min_8bit_size=4096, master_weights="remainder")
+
+
 def _build_peer(base_model, device, dtype, hp, module_name, import_class):
     try:
         optimizer_class = import_class()
@@ -158,6 +163,8 @@ RECIPES = {r.name: r for r in [
     # Opt-in (not in the default list): bf16 weights + int16 remainder instead of an fp32 master.
     Recipe("mpfused-remainder", "bf16 weights + mpfused.AdamW (int16 remainder master)",
            build_mpfused_remainder),
+    Recipe("mpfused-8bit-remainder", "bf16 weights + mpfused.AdamW8bit (int16 remainder master)",
+           build_mpfused_8bit_remainder),
 ]}
 
 DEFAULT_RECIPES = ["native", "mpfused", "mpfused-8bit", "bnb", "torchao"]
