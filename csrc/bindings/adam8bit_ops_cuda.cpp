@@ -1,0 +1,113 @@
+// CUDA registration of the multi-tensor Adam/AdamW step with block-wise 8-bit moments. Same checks
+// as the CPU binding (common.h), except the map values: the step counters, lr (optionally),
+// grad_scale, found_inf, norm_sq and both quantization maps are read by the kernel on the device
+// (which checks the maps itself, see cuda/adam8bit_cuda.h), and the counters are incremented by a
+// second launch unless found_inf > 0: no host sync on any path (capturable).
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "../cuda/adam8bit_cuda.h"
+#include "../cuda/adam_cuda.h"  // cuda::increment_steps, shared with adam_step_
+#include "common.h"
+
+namespace mpfused::bind {
+namespace {
+
+void adam8bit_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                        at::TensorList exp_avg_sqs, at::TensorList absmax1s,
+                        at::TensorList absmax2s, at::TensorList masters, at::TensorList steps,
+                        const at::Tensor& qmap1, const at::Tensor& qmap2, int64_t block_size,
+                        double lr, const std::optional<at::Tensor>& lr_tensor, double beta1,
+                        double beta2, double eps, double weight_decay, bool maximize,
+                        bool decoupled, int64_t master_mode,
+                        const std::optional<at::Tensor>& grad_scale,
+                        const std::optional<at::Tensor>& found_inf,
+                        const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
+                        int64_t seed) {
+  if (params.empty()) return;
+  const at::Device dev =
+      check_adam8bit_args(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters,
+                          steps, block_size, master_mode, grad_scale, found_inf, norm_sq);
+  TORCH_CHECK(dev.is_cuda(), "mpfused: params must be CUDA tensors here, got ", dev);
+  check_qmap(qmap1, "qmap1 (signed map)", dev);
+  check_qmap(qmap2, "qmap2 (unsigned map)", dev);
+
+  const c10::cuda::CUDAGuard guard(dev);
+  // lr: a CUDA tensor is read by the kernel (cast to float32 on the device if needed); a CPU
+  // tensor is read here (a host read, not a device sync). As adam_step_'s CUDA binding.
+  float lr_value = float(lr);
+  at::Tensor lr_dev;
+  if (lr_tensor) {
+    TORCH_CHECK(lr_tensor->numel() == 1, "mpfused: lr_tensor must have one element, got ",
+                lr_tensor->sizes());
+    if (lr_tensor->device().is_cpu()) {
+      lr_value = float(lr_tensor->item<double>());
+    } else {
+      TORCH_CHECK(lr_tensor->device() == dev, "mpfused: lr_tensor must be on ", dev,
+                  " (the params' device) or on the CPU, got ", lr_tensor->device());
+      lr_dev = lr_tensor->scalar_type() == at::kFloat ? *lr_tensor : lr_tensor->to(at::kFloat);
+    }
+  }
+
+  const bool has_master = master_mode == kFp32Master || master_mode == kRemainder;
+  // Codes follow the logical (row-major) order, so every operand is used contiguous: the others
+  // are staged (device copies, written back by finish()).
+  PackedLists<5> packed({params, grads, exp_avgs, exp_avg_sqs,
+                         has_master ? masters : at::TensorList()},
+                        {true, false, true, true, true}, "params", /*require_logical_order=*/true);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  if (!packed.numel.empty()) {
+    // The absmax operands and the step counter of each packed param (same positions).
+    std::vector<void*> am1, am2, step_ptrs;
+    am1.reserve(packed.index.size());
+    am2.reserve(packed.index.size());
+    step_ptrs.reserve(packed.index.size());
+    for (const int64_t i : packed.index) {
+      am1.push_back(absmax1s[i].data_ptr());
+      am2.push_back(absmax2s[i].data_ptr());
+      step_ptrs.push_back(steps[i].data_ptr());
+    }
+    TensorLists<cuda::kAdam8bitDepth> lists;
+    for (int k = 0; k < 5; ++k) lists.data[k] = packed.ptrs[k].data();
+    lists.data[cuda::kQ8Absmax1] = am1.data();
+    lists.data[cuda::kQ8Absmax2] = am2.data();
+    lists.data[cuda::kQ8Step] = step_ptrs.data();
+    lists.numel = packed.numel.data();
+    lists.dtype = packed.dtype.data();
+    lists.size = int64_t(packed.numel.size());
+    cuda::Adam8bitConfig cfg{};
+    cfg.lr = lr_value;
+    cfg.lr_ptr = lr_dev.defined() ? lr_dev.data_ptr<float>() : nullptr;
+    cfg.beta1 = beta1;
+    cfg.beta2 = beta2;
+    cfg.eps = float(eps);
+    cfg.weight_decay = float(weight_decay);
+    cfg.grad_scale = grad_scale ? grad_scale->data_ptr<float>() : nullptr;
+    cfg.found_inf = found_inf ? found_inf->data_ptr<float>() : nullptr;
+    cfg.norm_sq = norm_sq ? norm_sq->data_ptr<float>() : nullptr;
+    cfg.max_grad_norm = max_grad_norm;
+    cfg.maximize = maximize;
+    cfg.decoupled = decoupled;
+    cfg.master_mode = int32_t(master_mode);
+    cfg.seed = uint64_t(seed);
+    cfg.block_size = block_size;
+    cfg.map1 = qmap1.data_ptr<float>();
+    cfg.map2 = qmap2.data_ptr<float>();
+    C10_CUDA_CHECK(cuda::adam8bit_step(lists, cfg, stream));
+    packed.finish();  // staged copies hold the original values on a skipped step: no-op writes
+  }
+  // Every counter advances (empty params included, as on the CPU), unless found_inf > 0.
+  std::vector<float*> all_steps;
+  all_steps.reserve(steps.size());
+  for (const at::Tensor& s : steps) all_steps.push_back(s.data_ptr<float>());
+  C10_CUDA_CHECK(cuda::increment_steps(all_steps.data(), int64_t(all_steps.size()),
+                                       found_inf ? found_inf->data_ptr<float>() : nullptr,
+                                       stream));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mpfused, CUDA, m) { m.impl("adam8bit_step_", &adam8bit_step_cuda); }
+
+}  // namespace mpfused::bind

@@ -1,0 +1,400 @@
+// CUDA multi-tensor Adam/AdamW step with block-wise 8-bit moments. The per-element work is
+// cpu::adam8bit_chunk's (the shared adam_math.h / quant8_math.h functions, maps and thresholds in
+// shared memory); the dtype/mode dispatch is cpu::pick_kernel's, done per CUDA block on the
+// tensor's dtype code so one launch serves mixed-dtype lists.
+//
+// Work split. multi_tensor_apply cuts every tensor into chunks of q8::kChunk = 4096 elements, one
+// CUDA block (kBlockSize = 512 threads) per chunk. 4096 is a multiple of every quantization block
+// size (powers of two in [64, 4096]) and chunks start at multiples of 4096, so a chunk holds whole
+// quantization blocks (the tensor's last one may be short) and no quantization block is shared
+// by two CUDA blocks: the new absmax of a quantization block is a block-local reduction, with no
+// atomics and no second pass. bitsandbytes runs one 256-thread block per 256-element
+// quantization block; here one block runs 4096 / block_size of them, which keeps the per-block
+// setup (maps, thresholds, scalars) amortized and serves every block size with one kernel.
+//
+// Per block:
+//   setup     thread 0: this tensor's AdamScalars from the device step counter / lr / grad_scale /
+//             norm_sq; all threads: both maps to shared memory, then the 2 x 255 decision
+//             thresholds (quant8_threshold), the map checks and the +0 code of map 1.
+//   update    two passes; in pass k thread t owns elements 2048 k + 4t .. +3 (coalesced 16/8/4-
+//             byte accesses when aligned, element-wise otherwise and at the tail; 4 consecutive
+//             elements are always in one quantization block): it dequantizes with the OLD
+//             absmax, runs adam_element in fp32, stores the param (and master), parks the
+//             updated fp32 moments in its own slots of shared memory and takes |m|, |v| maxima.
+//   reduce    block max per quantization block, deterministic (a fixed butterfly, and max is
+//             exact): the maxima are reduced as the bit patterns of |x| (uint order = float
+//             order for non-negative floats; a NaN moment gives a NaN absmax in any order).
+//             Stage A, per pass: a butterfly over the min(32, block_size / 4) lanes that cover
+//             one quantization block (block_size <= 128: final) or the whole warp (128
+//             elements); stage B (block_size > 128): warp 0 reduces the 32 per-warp partials of
+//             the chunk in segments of block_size / 128.
+//   encode    the new absmax is stored, then each thread requantizes its own parked moments
+//             (quant8_inv_scale, quant8_encode over the shared thresholds, keep_negative).
+// Two barriers in setup, one or two in the reduction. found_inf > 0: every block leaves first.
+// Shared memory 37.7 KB (32 KB of parked moments); 64 registers (sm_90): two blocks per SM, so
+// one block's setup and reduction overlap the other's memory traffic.
+//
+// The block algorithm takes the thread index, barriers and warp shuffles from an `Ex` policy, so
+// tests/test_cuda_compile.py runs this exact code on the host (MPF_Q8_HOST_EMULATION: a
+// cooperative emulation of one 512-thread block) and compares it bit for bit with the CPU kernel.
+#include "adam8bit_cuda.h"
+
+#include "mpfused/quant8_math.h"
+#include "multi_tensor_apply.cuh"
+
+namespace mpfused::cuda {
+namespace q8 {
+
+constexpr int kWarp = 32;
+constexpr int kWarps = kBlockSize / kWarp;
+constexpr int kVec = 4;                                  // consecutive elements per access
+constexpr int64_t kPassElems = int64_t(kBlockSize) * kVec;  // 2048
+constexpr int64_t kChunk = 4096;                         // multi_tensor_apply chunk size
+constexpr int kPasses = int(kChunk / kPassElems);        // 2
+constexpr int64_t kMinBlock = 64, kMaxBlock = 4096;
+constexpr int kMaxQBlocks = int(kChunk / kMinBlock);     // quantization blocks per chunk (<= 64)
+constexpr int64_t kWarpElems = int64_t(kWarp) * kVec;    // elements of one warp in one pass: 128
+constexpr int kPartials = int(kChunk / kWarpElems);      // stage-A partials per chunk: 32
+
+static_assert(kChunk % kMaxBlock == 0, "a chunk must hold whole quantization blocks");
+static_assert(kChunk % kPassElems == 0, "a chunk is whole passes");
+static_assert(kMinBlock % kVec == 0, "a vector never straddles two quantization blocks");
+static_assert(kMinBlock / kVec >= 2 && kMinBlock / kVec <= 2 * kWarp, "stage-A segments");
+static_assert(kPartials <= kWarp, "stage B runs on one warp");
+static_assert(kBlockSize == 2 * kQuantCodes, "setup: one thread per map entry of both maps");
+
+struct alignas(16) Shared {  // 16: the parked moments are accessed as 16-byte vectors
+  float mst[kChunk];  // updated fp32 moments of the chunk until they are requantized
+  float vst[kChunk];
+  float map1[kQuantCodes];
+  float map2[kQuantCodes];
+  float thr1[kQuantCodes];
+  float thr2[kQuantCodes];
+  uint32_t part1[kPartials];  // stage A partials (block_size > 128), |m| bits
+  uint32_t part2[kPartials];  // |v| bits
+  uint32_t am1[kMaxQBlocks];  // new absmax bits per quantization block of the chunk
+  uint32_t am2[kMaxQBlocks];
+  AdamScalars scalars;
+  uint64_t seed;
+  int32_t zero_code;
+};
+
+template <typename T, int V>
+struct alignas(sizeof(T) * V) VecN {
+  T v[V];
+};
+
+__host__ __device__ __forceinline__ bool aligned(const void* p, unsigned bytes) {
+  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
+}
+
+__host__ __device__ __forceinline__ uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
+
+// kVec elements from p[e..]: one vector access when `vec` and the whole vector is in range,
+// else element by element (the first cnt). Out-of-range entries are left as they are.
+template <typename T>
+__host__ __device__ __forceinline__ void load_n(const T* p, int e, int cnt, bool vec,
+                                                T* out) {
+  if (vec && cnt >= kVec) {
+    const VecN<T, kVec> x = *reinterpret_cast<const VecN<T, kVec>*>(p + e);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) out[j] = x.v[j];
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j)
+      if (j < cnt) out[j] = p[e + j];
+  }
+}
+
+template <typename T>
+__host__ __device__ __forceinline__ void store_n(T* p, int e, int cnt, bool vec,
+                                                 const T* in) {
+  if (vec && cnt >= kVec) {
+    VecN<T, kVec> x;
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) x.v[j] = in[j];
+    *reinterpret_cast<VecN<T, kVec>*>(p + e) = x;
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec; ++j)
+      if (j < cnt) p[e + j] = in[j];
+  }
+}
+
+// Thread 0: this tensor's scalars, exactly as the CPU binding forms them (grad_mult: float
+// reciprocal, clip coefficient in double then float) and AdamFunctor in adam_cuda.cu.
+__host__ __device__ __forceinline__ void tensor_scalars(const MtaChunk<kAdam8bitDepth>& c,
+                                                        const Adam8bitConfig& cfg, Shared& sh) {
+  float grad_mult = cfg.grad_scale != nullptr ? 1.f / *cfg.grad_scale : 1.f;
+  if (cfg.norm_sq != nullptr && cfg.max_grad_norm > 0) {
+    const double norm = sqrt(double(*cfg.norm_sq));
+    const double coef = cfg.max_grad_norm / (norm + 1e-6);
+    grad_mult *= float(coef < 1.0 ? coef : 1.0);  // std::min(1.0, coef): NaN gives 1
+  }
+  const double t = double(*static_cast<const float*>(c.ptr[kQ8Step])) + 1.0;
+  const float lr = cfg.lr_ptr != nullptr ? *cfg.lr_ptr : cfg.lr;
+  sh.scalars = adam_scalars(lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.decoupled,
+                            cfg.maximize, grad_mult, t);
+  sh.seed = step_seed(cfg.seed, t);
+}
+
+// One chunk (whole quantization blocks) of one tensor, run by all kBlockSize threads of a block.
+// T / MODE: the effective storage type and master mode (cpu::pick_kernel's choice).
+#pragma nv_exec_check_disable
+template <class Ex, typename T, int MODE>
+__host__ __device__ __forceinline__ void run_chunk(const Ex& ex, Shared& sh,
+                                                   const MtaChunk<kAdam8bitDepth>& c,
+                                                   const Adam8bitConfig& cfg) {
+  const int tid = ex.tid();
+  const int lane = tid % kWarp, warp = tid / kWarp;
+  // Chunk-local indices fit in int (n <= kChunk); the block size is a power of two.
+  const int n = int(c.n);
+  const int B = int(cfg.block_size);
+  int lb = 0;
+  while ((1 << lb) < B) ++lb;
+  const int nq = (n + B - 1) >> lb;  // quantization blocks in this chunk
+  float* absmax1 = static_cast<float*>(c.ptr[kQ8Absmax1]) + (c.begin >> lb);
+  float* absmax2 = static_cast<float*>(c.ptr[kQ8Absmax2]) + (c.begin >> lb);
+
+  // ---- setup: scalars, maps, thresholds, +0 code, map checks --------------------------------
+  if (tid == 0) {
+    tensor_scalars(c, cfg, sh);
+    sh.zero_code = -1;
+  }
+  {
+    const int i = tid % kQuantCodes;
+    if (tid < kQuantCodes) sh.map1[i] = cfg.map1[i];
+    else sh.map2[i] = cfg.map2[i];
+  }
+  ex.sync();
+  bool ok = true;
+  {
+    const int i = tid % kQuantCodes;
+    const float* map = tid < kQuantCodes ? sh.map1 : sh.map2;
+    float* thr = tid < kQuantCodes ? sh.thr1 : sh.thr2;
+    if (i + 1 < kQuantCodes) {
+      thr[i] = quant8_threshold(map[i], map[i + 1]);
+      ok = map[i] < map[i + 1];  // false for NaN too
+    } else {
+      thr[i] = INFINITY;
+    }
+    // +0 of map 1: unique when the map is sorted (else the block bails out below).
+    if (tid < kQuantCodes && map[i] == 0.f && (f32_bits(map[i]) >> 31) == 0u) sh.zero_code = i;
+  }
+  const bool maps_ok = ex.sync_and(ok);
+  const int32_t zc = sh.zero_code;
+  if (!maps_ok || zc <= 0) {  // uniform: poison this chunk's absmax, write nothing else
+    if (tid < nq) {
+      absmax1[tid] = NAN;
+      absmax2[tid] = NAN;
+    }
+    return;
+  }
+  const AdamScalars s = sh.scalars;
+  const uint64_t seed = sh.seed;
+
+  // ---- update ---------------------------------------------------------------------------------
+  T* p = static_cast<T*>(c.ptr[kQ8Param]) + c.begin;
+  const T* g = static_cast<const T*>(c.ptr[kQ8Grad]) + c.begin;
+  uint8_t* c1 = static_cast<uint8_t*>(c.ptr[kQ8ExpAvg]) + c.begin;
+  uint8_t* c2 = static_cast<uint8_t*>(c.ptr[kQ8ExpAvgSq]) + c.begin;
+  float* master = MODE == kFp32Master ? static_cast<float*>(c.ptr[kQ8Master]) + c.begin : nullptr;
+  int16_t* rem = MODE == kRemainder ? static_cast<int16_t*>(c.ptr[kQ8Master]) + c.begin : nullptr;
+  const bool vec = aligned(p, kVec * sizeof(T)) && aligned(g, kVec * sizeof(T)) &&
+                   aligned(c1, kVec) && aligned(c2, kVec) &&
+                   (MODE != kFp32Master || aligned(master, kVec * sizeof(float))) &&
+                   (MODE != kRemainder || aligned(rem, kVec * sizeof(int16_t)));
+
+  // Pass k: thread t owns elements e = 2048 k + 4t .. +3 (one quantization block). The updated
+  // fp32 moments go to shared memory (the thread's own slots) until the absmax is known, so a
+  // thread keeps nothing across passes but its pointers and scalars (register budget: two
+  // 512-thread blocks per SM).
+  const int seg = B / kVec < kWarp ? B / kVec : kWarp;  // stage-A lanes
+#pragma unroll 1
+  for (int k = 0; k < kPasses; ++k) {
+    const int e = k * int(kPassElems) + tid * kVec;
+    const int cnt = n - e;
+    VecN<float, kVec> mv, vv;
+    uint32_t x1 = 0u, x2 = 0u;  // bits of max |m|, max |v| over the vector
+    if (cnt > 0) {
+      T pv[kVec], gv[kVec];
+      uint8_t k1[kVec], k2[kVec];
+      float wv[kVec];
+      int16_t rv[kVec];
+      load_n(p, e, cnt, vec, pv);
+      load_n(g, e, cnt, vec, gv);
+      load_n(c1, e, cnt, vec, k1);
+      load_n(c2, e, cnt, vec, k2);
+      if constexpr (MODE == kFp32Master) load_n(master, e, cnt, vec, wv);
+      if constexpr (MODE == kRemainder) load_n(rem, e, cnt, vec, rv);
+      const float a1 = absmax1[e >> lb];  // the OLD absmax (overwritten after the barriers)
+      const float a2 = absmax2[e >> lb];
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) {
+        mv.v[j] = 0.f;
+        vv.v[j] = 0.f;
+        if (j >= cnt) continue;
+        // cpu::adam8bit_chunk's loop body (load_w / adam_element / store_w).
+        float w;
+        if constexpr (MODE == kFp32Master) w = wv[j];
+        else if constexpr (MODE == kRemainder) w = remainder_join(pv[j].bits, rv[j]);
+        else w = to_f32(pv[j]);
+        float m = quant8_decode(sh.map1, k1[j], a1);
+        float v = quant8_decode(sh.map2, k2[j], a2);
+        float unused = 0.f;
+        adam_element<false>(w, to_f32(gv[j]), m, v, unused, s);
+        if constexpr (MODE == kFp32Master) {
+          wv[j] = w;
+          pv[j] = from_f32<T>(w);
+        } else if constexpr (MODE == kRemainder) {
+          uint16_t hi;
+          int16_t lo;
+          remainder_split(w, hi, lo);
+          pv[j] = T{hi};
+          rv[j] = lo;
+        } else if constexpr (MODE == kStochastic) {
+          pv[j] = T{bf16_bits_stochastic(
+              w, random16(seed, uint64_t(c.tensor), uint64_t(c.begin + (e + j))))};
+        } else {
+          pv[j] = from_f32<T>(w);
+        }
+        mv.v[j] = m;
+        vv.v[j] = v;
+        x1 = umax(x1, f32_bits(fabsf(m)));
+        x2 = umax(x2, f32_bits(fabsf(v)));
+      }
+      store_n(p, e, cnt, vec, pv);
+      if constexpr (MODE == kFp32Master) store_n(master, e, cnt, vec, wv);
+      if constexpr (MODE == kRemainder) store_n(rem, e, cnt, vec, rv);
+      *reinterpret_cast<VecN<float, kVec>*>(sh.mst + e) = mv;
+      *reinterpret_cast<VecN<float, kVec>*>(sh.vst + e) = vv;
+    }
+    // Stage A (every lane, in or out of range: out of range counts as 0): butterfly over the
+    // lanes of one quantization block (B <= 128) or of the whole warp (128 elements).
+    for (int off = seg / 2; off > 0; off /= 2) {
+      x1 = umax(x1, ex.shfl_xor(x1, off));
+      x2 = umax(x2, ex.shfl_xor(x2, off));
+    }
+    if (B <= int(kWarpElems)) {
+      if (lane % seg == 0) {  // first lane of its quantization block: the block's max
+        sh.am1[e >> lb] = x1;
+        sh.am2[e >> lb] = x2;
+      }
+    } else if (lane == 0) {  // partial of elements [128 i, 128 i + 128) of the chunk
+      sh.part1[k * kWarps + warp] = x1;
+      sh.part2[k * kWarps + warp] = x2;
+    }
+  }
+  ex.sync();
+  // Stage B (B > 128): warp 0 reduces the partials in segments of B / 128.
+  if (B > kWarpElems) {
+    if (warp == 0) {
+      const int r = B / int(kWarpElems);
+      uint32_t x1 = sh.part1[lane], x2 = sh.part2[lane];
+      for (int off = r / 2; off > 0; off /= 2) {
+        x1 = umax(x1, ex.shfl_xor(x1, off));
+        x2 = umax(x2, ex.shfl_xor(x2, off));
+      }
+      if (lane % r == 0) {
+        sh.am1[lane / r] = x1;
+        sh.am2[lane / r] = x2;
+      }
+    }
+    ex.sync();
+  }
+
+  // ---- new absmax, requantize -------------------------------------------------------------------
+  if (tid < nq) {  // every old-absmax read happened before the barriers above
+    absmax1[tid] = bits_f32(sh.am1[tid]);
+    absmax2[tid] = bits_f32(sh.am2[tid]);
+  }
+#pragma unroll 1
+  for (int k = 0; k < kPasses; ++k) {
+    const int e = k * int(kPassElems) + tid * kVec;
+    const int cnt = n - e;
+    if (cnt <= 0) break;
+    const float r1 = quant8_inv_scale(bits_f32(sh.am1[e >> lb]));
+    const float r2 = quant8_inv_scale(bits_f32(sh.am2[e >> lb]));
+    const VecN<float, kVec> mv = *reinterpret_cast<const VecN<float, kVec>*>(sh.mst + e);
+    const VecN<float, kVec> vv = *reinterpret_cast<const VecN<float, kVec>*>(sh.vst + e);
+    uint8_t k1[kVec], k2[kVec];
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) {
+      const int32_t q1 = quant8_encode(sh.thr1, mv.v[j] * r1);
+      k1[j] = uint8_t(quant8_keep_negative(q1, mv.v[j], zc));
+      k2[j] = uint8_t(quant8_encode(sh.thr2, vv.v[j] * r2));
+    }
+    store_n(c1, e, cnt, vec, k1);
+    store_n(c2, e, cnt, vec, k2);
+  }
+}
+
+// The chunk of one block: skip test, then cpu::pick_kernel's dtype/mode dispatch. MODE is the
+// requested master mode.
+#pragma nv_exec_check_disable
+template <class Ex, int MODE>
+__host__ __device__ __forceinline__ void run_block(const Ex& ex, Shared& sh,
+                                                   const MtaChunk<kAdam8bitDepth>& c,
+                                                   const Adam8bitConfig& cfg) {
+  // Skipped step: every block leaves before touching anything (uniform branch).
+  if (cfg.found_inf != nullptr && *cfg.found_inf > 0.f) return;
+  switch (c.dtype) {
+    case kFloat32:  // fp32 params are their own master
+      run_chunk<Ex, float, kNoMaster>(ex, sh, c, cfg);
+      break;
+    case kFloat16:
+      run_chunk<Ex, f16_t, MODE == kFp32Master ? kFp32Master : kNoMaster>(ex, sh, c, cfg);
+      break;
+    default:
+      run_chunk<Ex, bf16_t, MODE>(ex, sh, c, cfg);
+      break;
+  }
+}
+
+}  // namespace q8
+
+#ifndef MPF_Q8_HOST_EMULATION
+namespace {
+
+struct DeviceExec {
+  __device__ __forceinline__ int tid() const { return int(threadIdx.x); }
+  __device__ __forceinline__ void sync() const { __syncthreads(); }
+  __device__ __forceinline__ bool sync_and(bool p) const { return __syncthreads_and(int(p)) != 0; }
+  __device__ __forceinline__ uint32_t shfl_xor(uint32_t x, int off) const {
+    return __shfl_xor_sync(0xffffffffu, x, off);
+  }
+};
+
+template <int MODE>
+struct Adam8bitFunctor {
+  Adam8bitConfig cfg;
+
+  __device__ __forceinline__ void operator()(const MtaChunk<kAdam8bitDepth>& c) const {
+    __shared__ q8::Shared sh;
+    q8::run_block<DeviceExec, MODE>(DeviceExec{}, sh, c, cfg);
+  }
+};
+
+template <int MODE>
+cudaError_t launch(const TensorLists<kAdam8bitDepth>& t, const Adam8bitConfig& cfg,
+                   cudaStream_t stream) {
+  return multi_tensor_apply<kAdam8bitDepth>(t, q8::kChunk, stream, Adam8bitFunctor<MODE>{cfg});
+}
+
+}  // namespace
+
+cudaError_t adam8bit_step(const TensorLists<kAdam8bitDepth>& t, const Adam8bitConfig& cfg,
+                          cudaStream_t stream) {
+  const int64_t b = cfg.block_size;
+  if (b < q8::kMinBlock || b > q8::kMaxBlock || (b & (b - 1)) != 0) return cudaErrorInvalidValue;
+  if (t.size == 0) return cudaSuccess;
+  switch (cfg.master_mode) {
+    case kFp32Master: return launch<kFp32Master>(t, cfg, stream);
+    case kRemainder: return launch<kRemainder>(t, cfg, stream);
+    case kStochastic: return launch<kStochastic>(t, cfg, stream);
+    default: return launch<kNoMaster>(t, cfg, stream);
+  }
+}
+#endif  // MPF_Q8_HOST_EMULATION
+
+}  // namespace mpfused::cuda

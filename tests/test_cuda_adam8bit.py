@@ -1,0 +1,444 @@
+"""Native CUDA adam8bit_step_ (csrc/cuda/adam8bit_cuda.cu via csrc/bindings/adam8bit_ops_cuda.cpp)
+against mpfused.reference.adam8bit and, bit for bit, the native CPU kernel.
+
+Every native CUDA call runs under torch.cuda.set_sync_debug_mode("error"): the CUDA path never
+synchronizes with the host. Reference comparisons are single applications from the same state:
+codes equal except where a moment lies within fp32 rounding of a decision threshold (then one
+code apart), absmax equal to fp32 rounding, params within the per-dtype tolerance. The native
+CPU kernel runs the same fp32 operations in the same order (no FMA contraction on either side,
+IEEE division and square root), so CPU and CUDA agree exactly. Skipped without a GPU, or when the
+extension was built without its CUDA kernels (tests/test_cuda_compile.py runs the kernel's block
+algorithm on the host instead)."""
+import contextlib
+import math
+
+import pytest
+import torch
+
+from mpfused import _extension
+from mpfused import quant_maps as qm
+from mpfused.ops import OPS
+from mpfused.reference import adam as ref_adam
+from mpfused.reference import adam8bit as ref8
+from tests.tolerances import assert_close
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not _extension.with_cuda(),
+                       reason="mpfused extension built without its CUDA kernels"),
+]
+
+DEV = "cuda"
+OP = "adam8bit_step_"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+MIXED = "mixed"
+MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC = 0, 1, 2, 3
+MODES = [MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC]
+P, G, C1, C2, A1, A2, MA, S = range(8)  # positions of the tensor lists in the op's arguments
+# sizes: tails of every kind, whole and partial 4096-element CUDA chunks, an empty tensor
+SIZES = [1, 3, 64, 65, 255, 4095, 4096, 4097, 8192 + 77, 0, 65536 + 129, 150_003]
+# absmax against the float64 reference: fp32 rounding for exp_avg; for exp_avg_sq, the kernels
+# (as torch's fused ones) use fp32 betas, and fp32 (1 - 0.999) is 1.3e-5 off: a v made mostly of
+# its (1 - beta2) g^2 term (the first step) is off by that much. The CPU comparison is exact.
+ABSMAX_RTOL = {A1: 1e-6, A2: 2e-5}
+
+
+@contextlib.contextmanager
+def no_host_sync():
+    prev = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(prev)
+
+
+def native(*args):
+    with no_host_sync():
+        OPS[OP](*args, backend="native")
+
+
+def scalar(x, dtype=torch.float32, device=DEV):
+    return torch.tensor(x, dtype=dtype, device=device)
+
+
+def with_layout(x, layout):
+    """x's values laid out as asked: contig; offset (1 element past an aligned address: the
+    kernel's element-wise path); strided (every other element: staged by the binding); transposed
+    (2-D, dense but not contiguous: staged)."""
+    shape = tuple(x.shape)
+    kw = {"dtype": x.dtype, "device": x.device}
+    if layout == "contig":
+        out = torch.empty(shape, **kw)
+    elif layout == "offset":
+        out = torch.empty(x.numel() + 1, **kw)[1:].view(shape)
+    elif layout == "strided":
+        out = torch.empty(shape[:-1] + (2 * shape[-1],), **kw)[..., ::2]
+    elif layout == "transposed":
+        out = torch.empty(shape[::-1], **kw).t()
+    else:
+        raise ValueError(layout)
+    out.copy_(x)
+    return out
+
+
+def dtype_cycle(dtype, n):
+    return [DTYPES[i % 3] for i in range(n)] if dtype == MIXED else [dtype] * n
+
+
+def clone_lists(lists, device=None):
+    return [[t.to(device) if device else t.clone() for t in lst] for lst in lists]
+
+
+class Q8Case:
+    """One adam8bit_step_ call: 8-bit state quantized from random fp32 moments, on the GPU."""
+
+    def __init__(self, shapes, dtypes, mode, block=256, layouts=("contig",), grad_scale=None,
+                 clip=False, lr_kind="float", maximize=False, decoupled=True, weight_decay=0.01,
+                 fresh=False):
+        self.mode, self.block = mode, block
+        self.qmap1, self.qmap2 = qm.signed_map(DEV), qm.unsigned_map(DEV)
+        self.params, self.grads, self.c1, self.c2, self.a1, self.a2, self.masters = ([] for _ in range(7))
+        for i, (shape, dt) in enumerate(zip(shapes, dtypes)):
+            shape = (shape,) if isinstance(shape, int) else tuple(shape)
+            layout = layouts[i % len(layouts)]
+            if layout == "transposed" and len(shape) != 2:
+                layout = "contig"
+            w0 = torch.randn(shape, device=DEV) * 0.5
+            if mode == MASTER_REMAINDER and dt == torch.bfloat16:
+                p0, rem = ref_adam.remainder_split(w0.contiguous())
+                self.masters.append(with_layout(rem, layout))
+            else:
+                p0 = w0.to(dt)
+                if mode == MASTER_FP32:
+                    self.masters.append(with_layout(w0, layout))
+                elif mode == MASTER_REMAINDER:
+                    self.masters.append(with_layout(torch.randint(
+                        -2**15, 2**15, shape, device=DEV, dtype=torch.int16), layout))
+            self.params.append(with_layout(p0, layout))
+            # bitsandbytes-like magnitudes: the g^2 term is a small part of v (see ABSMAX_RTOL)
+            g = torch.randn(shape, device=DEV) * 0.01 * (grad_scale or 1.0)
+            self.grads.append(with_layout(g.to(dt), layout))
+            m = torch.zeros(shape, device=DEV) if fresh else torch.randn(shape, device=DEV) * 1e-3
+            v = torch.zeros(shape, device=DEV) if fresh else torch.rand(shape, device=DEV) * 1e-5
+            c1, a1 = qm.quantize_blockwise(m, self.qmap1, block)
+            c2, a2 = qm.quantize_blockwise(v, self.qmap2, block)
+            self.c1.append(with_layout(c1, layout))
+            self.c2.append(with_layout(c2, layout))
+            self.a1.append(a1)
+            self.a2.append(a2)
+        self.steps = [scalar(float((3 * i) % 7)) for i in range(len(self.params))]
+        self.lr = 1e-3
+        self.lr_tensor = {"float": None, "cuda32": scalar(self.lr),
+                          "cuda64": scalar(self.lr, torch.float64),
+                          "cpu": torch.tensor(self.lr)}[lr_kind]
+        self.hyper = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=weight_decay,
+                          maximize=maximize, decoupled=decoupled)
+        self.grad_scale = None if grad_scale is None else scalar(grad_scale)
+        self.found_inf = scalar(0.0)
+        self.norm_sq, self.max_grad_norm = None, 0.0
+        if clip:
+            total = sum(float((g.double() / (grad_scale or 1.0)).pow(2).sum()) for g in self.grads)
+            self.norm_sq, self.max_grad_norm = scalar(total), 0.3 * math.sqrt(total)
+        self.seed = 1234
+
+    def lists(self):
+        return [self.params, self.grads, self.c1, self.c2, self.a1, self.a2, self.masters,
+                self.steps]
+
+    def args(self, lists, mode=None, device=None):
+        h = self.hyper
+
+        def on(t):
+            return t if t is None or device is None else t.to(device)
+
+        q1, q2 = (self.qmap1, self.qmap2) if device is None else (qm.signed_map(device),
+                                                                   qm.unsigned_map(device))
+        return (*lists, q1, q2, self.block, self.lr, on(self.lr_tensor), h["beta1"], h["beta2"],
+                h["eps"], h["weight_decay"], h["maximize"], h["decoupled"],
+                self.mode if mode is None else mode, on(self.grad_scale), on(self.found_inf),
+                on(self.norm_sq), self.max_grad_norm, self.seed)
+
+    def step_and_compare(self):
+        """One native step against the reference (run from the same state)."""
+        before = clone_lists(self.lists())
+        ref = clone_lists(self.lists())
+        native(*self.args(self.lists()))
+        ref8.adam8bit_step_(*self.args(ref))
+        # fp16 params ignore the remainder/stochastic modes (cpu::pick_kernel): round to nearest.
+        ref16 = None
+        if self.mode in (MASTER_REMAINDER, MASTER_STOCHASTIC):
+            ref16 = clone_lists(before)
+            ref8.adam8bit_step_(*self.args(ref16, mode=MASTER_NONE))
+        nat = self.lists()
+        for i, p in enumerate(self.params):
+            r = ref16 if (ref16 is not None and p.dtype == torch.float16) else ref
+            assert torch.equal(self.grads[i], before[G][i]), "grads must not change"
+            assert_close(p, r[P][i], p.dtype)
+            for k in (C1, C2):
+                assert_codes_close(nat[k][i], r[k][i])
+            for k in (A1, A2):
+                assert_absmax_close(nat[k][i], r[k][i], before[k][i], k)
+            if self.masters:
+                if self.mode == MASTER_REMAINDER and p.dtype == torch.bfloat16:
+                    assert_close(ref_adam.remainder_join(p, self.masters[i]),
+                                 ref_adam.remainder_join(r[P][i], r[MA][i]))
+                elif self.masters[i].dtype == torch.int16 or p.dtype == torch.float32:
+                    assert torch.equal(self.masters[i], before[MA][i]), "unused master written"
+                else:
+                    assert_close(self.masters[i], r[MA][i])
+            assert torch.equal(self.steps[i], r[S][i])
+            assert self.steps[i].item() == before[S][i].item() + 1
+
+
+def assert_codes_close(got, exp):
+    """Codes one apart where a moment lies within rounding of a decision threshold, never more.
+    The kernels update in fp32 with fp32 betas, the reference in float64: m differs by ulps, v by
+    up to 1.3e-5 relative (fp32 1 - beta2), which flips ~1e-3 of the v codes (measured with the
+    CPU kernel: at most 0.08% of a 150k-element tensor)."""
+    diff = (got.int() - exp.int()).abs()
+    assert int((diff > 1).sum()) == 0, "codes more than one apart"
+    assert int((diff > 0).sum()) <= 2 + exp.numel() // 500, int((diff > 0).sum())
+
+
+def assert_absmax_close(got, exp, old, k):
+    """ABSMAX_RTOL of the new absmax, or of the old one: a block of a few elements may hold only
+    a moment that nearly cancels (m + (1 - beta1) (g - m)), whose fp32 value is off by ulps of
+    its terms, not of itself."""
+    scale = float(old.abs().max()) if old.numel() else 0.0
+    torch.testing.assert_close(got, exp, rtol=ABSMAX_RTOL[k], atol=ABSMAX_RTOL[k] * scale)
+
+
+def assert_lists_equal(a, b, what=""):
+    for k, (la, lb) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(la, lb)):
+            x, y = x.cpu(), y.cpu()
+            if x.dtype.is_floating_point:  # bit patterns: NaN == NaN, -0 != +0
+                x = x.view(torch.int16 if x.element_size() == 2 else torch.int32)
+                y = y.view(torch.int16 if y.element_size() == 2 else torch.int32)
+            assert torch.equal(x, y), f"{what}list {k}, tensor {i}"
+
+
+# ---- against the reference ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("block", [64, 256, 2048, 4096])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES + [MIXED], ids=str)
+def test_matches_reference(dtype, mode, block):
+    case = Q8Case(SIZES, dtype_cycle(dtype, len(SIZES)), mode, block=block,
+                  maximize=block == 2048, decoupled=block != 64)
+    for _ in range(2):  # the second step starts from the kernel's own 8-bit state
+        case.step_and_compare()
+
+
+def test_first_step_from_zero_state():
+    case = Q8Case(SIZES, dtype_cycle(MIXED, len(SIZES)), MASTER_FP32, fresh=True)
+    case.step_and_compare()
+
+
+@pytest.mark.parametrize("lr_kind", ["float", "cuda32", "cuda64", "cpu"])
+@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("grad_scale", [None, 1024.0])
+def test_device_scalars(grad_scale, clip, lr_kind):
+    case = Q8Case(SIZES, dtype_cycle(MIXED, len(SIZES)), MASTER_FP32, grad_scale=grad_scale,
+                  clip=clip, lr_kind=lr_kind)
+    case.step_and_compare()
+
+
+@pytest.mark.parametrize("layouts", [("offset",), ("strided",), ("transposed",),
+                                     ("contig", "offset", "strided", "transposed")], ids=str)
+@pytest.mark.parametrize("mode", MODES)
+def test_noncontiguous_and_misaligned(mode, layouts):
+    shapes = [(37, 129), (300, 257), (1, 5), (0, 4), (1030, 70), (2, 3), (64, 65)]
+    case = Q8Case(shapes, dtype_cycle(MIXED, len(shapes)), mode, layouts=layouts)
+    strides = [p.stride() for p in case.params]
+    case.step_and_compare()
+    assert [p.stride() for p in case.params] == strides
+
+
+def test_many_small_tensors():
+    shapes = torch.randint(0, 600, (300,)).tolist()  # several launches (48 tensors per launch)
+    case = Q8Case(shapes, dtype_cycle(MIXED, len(shapes)), MASTER_STOCHASTIC)
+    case.step_and_compare()
+
+
+# ---- against the native CPU kernel, bit for bit ---------------------------------------------------
+
+@pytest.mark.parametrize("block", [64, 128, 256, 1024, 4096])
+@pytest.mark.parametrize("mode", MODES)
+def test_matches_cpu_kernel_bitwise(mode, block):
+    if not OPS[OP].native_available("cpu"):
+        pytest.skip("no native CPU kernel")
+    case = Q8Case(SIZES, dtype_cycle(MIXED, len(SIZES)), mode, block=block, grad_scale=256.0,
+                  clip=True, lr_kind="cuda32", layouts=("contig", "offset", "contig"))
+    cpu = clone_lists(case.lists(), device="cpu")
+    native(*case.args(case.lists()))
+    OPS[OP](*case.args(cpu, device="cpu"), backend="native")
+    assert_lists_equal(case.lists(), cpu)
+
+
+# ---- skip, bad maps, errors -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("found", [1.0, 2.0, float("inf")])
+@pytest.mark.parametrize("layout", ["contig", "transposed"])
+def test_skips_on_found_inf_bit_identical(found, layout):
+    shapes = [(300, 257), (64, 65), (3, 5), (0, 2), (70, 1030)]
+    case = Q8Case(shapes, dtype_cycle(MIXED, len(shapes)), MASTER_FP32, layouts=(layout,),
+                  grad_scale=1024.0, clip=True)
+    case.found_inf.fill_(found)
+    before = clone_lists(case.lists())
+    native(*case.args(case.lists()))
+    assert_lists_equal(case.lists(), before, "a found_inf step must change nothing: ")
+
+
+@pytest.mark.parametrize("found", [0.0, -1.0, float("nan")])
+def test_found_inf_not_positive_runs(found):
+    # The skip rule is found_inf > 0 (NaN > 0 is false, as in the reference).
+    case = Q8Case([1000, 5000], [torch.bfloat16, torch.float32], MASTER_FP32)
+    case.found_inf.fill_(found)
+    case.step_and_compare()
+
+
+@pytest.mark.parametrize("bad", ["unsorted", "no_zero", "zero_first"])
+def test_bad_map_poisons_absmax_and_writes_nothing_else(bad):
+    case = Q8Case([1000, 4097, 3], dtype_cycle(MIXED, 3), MASTER_FP32)
+    q1 = case.qmap1.clone()
+    if bad == "unsorted":
+        q1[[10, 11]] = q1[[11, 10]]
+    elif bad == "no_zero":
+        q1[127] = q1[128] * 0.5
+    else:
+        q1 = case.qmap2.clone()  # +0 at index 0
+    case.qmap1 = q1
+    before = clone_lists(case.lists())
+    native(*case.args(case.lists()))
+    for k in (P, C1, C2, MA):
+        for a, b in zip(case.lists()[k], before[k]):
+            assert torch.equal(a, b)
+    for k in (A1, A2):
+        for a in case.lists()[k]:
+            assert bool(a.isnan().all())
+
+
+def test_errors():
+    case = Q8Case([10, 300], [torch.bfloat16] * 2, MASTER_FP32)
+    lists = case.lists()
+    with pytest.raises(RuntimeError, match="qmap1"):
+        cpu_map = case.args(lists)
+        cpu_map = (*cpu_map[:8], qm.signed_map("cpu"), *cpu_map[9:])
+        OPS[OP](*cpu_map, backend="native")
+    with pytest.raises(RuntimeError, match="absmax"):
+        OPS[OP](*case.args(lists[:4] + [[a[:-1] for a in lists[A1]]] + lists[5:]),
+                backend="native")
+    with pytest.raises(RuntimeError, match="block_size"):
+        args = list(case.args(lists))
+        args[10] = 96
+        OPS[OP](*args, backend="native")
+    with pytest.raises(RuntimeError, match="master"):
+        OPS[OP](*case.args(lists[:6] + [[]] + lists[7:]), backend="native")
+    case.grad_scale = torch.tensor(2.0)  # on the CPU
+    with pytest.raises(RuntimeError, match="grad_scale"):
+        OPS[OP](*case.args(lists), backend="native")
+
+
+def test_optimizer_picks_native_cuda_and_needs_no_sync():
+    import mpfused
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 8))
+    model = model.to(DEV)
+    opt = mpfused.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=0)
+    assert OPS[OP].resolve("cuda") == "native"
+    for it in range(3):
+        loss = model(torch.randn(32, 64, device=DEV)).square().mean()
+        loss.backward()
+        # The first step creates the state (host work); later ones are one kernel per bucket.
+        with no_host_sync() if it else contextlib.nullcontext():
+            opt.step()
+        opt.zero_grad(set_to_none=False)
+    assert any(s["exp_avg"].dtype == torch.uint8 for s in opt.state.values())
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+# ---- CUDA graphs and opcheck ------------------------------------------------------------------
+
+def test_cuda_graph_capture_matches_eager():
+    shapes = [1000, 65537, 3, 4096, (64, 33)]
+    case = Q8Case(shapes, dtype_cycle(MIXED, len(shapes)), MASTER_FP32, grad_scale=1024.0,
+                  clip=True, lr_kind="cuda32")
+    eager = clone_lists(case.lists())
+    snapshot = clone_lists(case.lists())
+
+    def restore():
+        for dst, src in zip(case.lists(), snapshot):
+            for a, b in zip(dst, src):
+                a.copy_(b)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture (lazy module loading etc.)
+        native(*case.args(case.lists()))
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    restore()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        native(*case.args(case.lists()))
+    restore()
+
+    for it in range(5):
+        found = 1.0 if it == 2 else 0.0
+        case.found_inf.fill_(found)
+        for g, ge in zip(case.grads, eager[G]):
+            new = (torch.randn(g.shape, device=DEV) * 1024.0).to(g.dtype)
+            g.copy_(new)
+            ge.copy_(new)
+        before = clone_lists(case.lists())
+        graph.replay()
+        native(*case.args(eager))
+        torch.cuda.synchronize()
+        assert_lists_equal(case.lists(), eager, f"replay {it}: ")
+        if found:
+            assert_lists_equal(case.lists(), before, "skipped replay: ")
+        else:
+            assert all(s.item() == b.item() + 1 for s, b in zip(case.steps, before[S]))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_opcheck(mode):
+    case = Q8Case([7, (4, 3), 0, 1000], dtype_cycle(MIXED, 4), mode, grad_scale=8.0, clip=True,
+                  lr_kind="cuda32")
+    torch.library.opcheck(OPS[OP].overload, case.args(case.lists()))
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.mem_get_info()[0] < 24 * 2**30,
+                    reason="needs 24 GB of free GPU memory (uses ~13 GB)")
+def test_beyond_int32_elements():
+    n = 2**31 + 777
+    block = 256
+    start = 2**31 - 4096  # block-aligned: the tail's absmax are absmax[start // block:]
+    p = torch.zeros(n, dtype=torch.bfloat16, device=DEV)
+    g = torch.zeros(n, dtype=torch.bfloat16, device=DEV)
+    c1 = torch.full((n,), 127, dtype=torch.uint8, device=DEV)  # +0 of the signed map
+    c2 = torch.zeros(n, dtype=torch.uint8, device=DEV)
+    nb = (n + block - 1) // block
+    a1 = torch.zeros(nb, device=DEV)
+    a2 = torch.zeros(nb, device=DEV)
+    tail = slice(start, n)
+    p[tail] = torch.randn(n - start, device=DEV).bfloat16()
+    g[tail] = torch.randn(n - start, device=DEV).bfloat16()
+    saved = [x[tail].clone() for x in (p, g, c1, c2)] + [x[start // block:].clone() for x in (a1, a2)]
+    hyper = (qm.signed_map(DEV), qm.unsigned_map(DEV), block, 1e-3, None, 0.9, 0.999, 1e-8, 0.01,
+             False, True, MASTER_NONE, None, None, None, 0.0, 0)
+    step = scalar(0.0)
+    native([p], [g], [c1], [c2], [a1], [a2], [], [step], *hyper)
+    sp, sg, sc1, sc2, sa1, sa2 = saved
+    ref8.adam8bit_step_([sp], [sg], [sc1], [sc2], [sa1], [sa2], [], [scalar(0.0)], *hyper)
+    assert_close(p[tail], sp)
+    assert_codes_close(c1[tail], sc1)
+    assert_codes_close(c2[tail], sc2)
+    assert_absmax_close(a1[start // block:], sa1, torch.zeros(0), A1)
+    assert_absmax_close(a2[start // block:], sa2, torch.zeros(0), A2)
+    assert step.item() == 1.0
+    del p, g, c1, c2, a1, a2
+    torch.cuda.empty_cache()
