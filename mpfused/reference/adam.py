@@ -59,6 +59,41 @@ def bf16_stochastic(w32: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(w32), torch.full_like(out, float("nan")), out)
 
 
+def kernel_mode(p: torch.Tensor, master_mode: int) -> int:
+    """The master mode a kernel applies to p: remainder and stochastic rounding exist for bf16
+    only, an fp32 master for fp16/bf16, nothing for fp32 params (the kernels' dispatch)."""
+    if p.dtype == torch.bfloat16:
+        return master_mode
+    if p.dtype == torch.float16 and master_mode == MASTER_FP32:
+        return MASTER_FP32
+    return MASTER_NONE
+
+
+def read_master(p, master, mode) -> torch.Tensor:
+    """The fp32 value of a param as float64."""
+    if mode == MASTER_FP32:
+        return master.double()
+    if mode == MASTER_REMAINDER:
+        return remainder_join(p, master).double()
+    return p.double()
+
+
+def write_master(p, master, mode, w32, seed, t, slot) -> None:
+    """Store the updated fp32 value w32 into the param (and its master) per the mode."""
+    if mode == MASTER_FP32:
+        master.copy_(w32)
+        p.copy_(w32)
+    elif mode == MASTER_REMAINDER:
+        hi, rem = remainder_split(w32.contiguous())
+        p.copy_(hi)
+        master.copy_(rem)
+    elif mode == MASTER_STOCHASTIC:
+        idx = torch.arange(p.numel(), device=p.device).reshape(p.shape)
+        p.copy_(bf16_stochastic(w32, random16(step_seed(seed, t), slot, idx)))
+    else:
+        p.copy_(w32)
+
+
 def grad_multiplier(grad_scale, norm_sq, max_grad_norm) -> float:
     """inv_scale (an fp32 reciprocal, as the kernels) times the clip coefficient."""
     mult = 1.0
@@ -91,16 +126,9 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, s
         if p.numel() == 0:
             continue
         slot += 1
-        # as the kernels' dispatch: remainder and stochastic rounding exist for bf16 only
-        mode = (master_mode if p.dtype == torch.bfloat16 else
-                MASTER_FP32 if p.dtype == torch.float16 and master_mode == MASTER_FP32 else
-                MASTER_NONE)
-        if mode == MASTER_FP32:
-            w = masters[i].double()
-        elif mode == MASTER_REMAINDER:
-            w = remainder_join(p, masters[i]).double()
-        else:
-            w = p.double()
+        mode = kernel_mode(p, master_mode)
+        master = masters[i] if mode in (MASTER_FP32, MASTER_REMAINDER) else None
+        w = read_master(p, master, mode)
         g = grads[i].double() * mult
         if not decoupled:
             g = g + weight_decay * w
@@ -117,16 +145,4 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, s
         w = w - (lr / (1 - beta1**t)) * m / denom
         exp_avgs[i].copy_(m)
         exp_avg_sqs[i].copy_(v)
-        w32 = w.float()
-        if mode == MASTER_FP32:
-            masters[i].copy_(w32)
-            p.copy_(w32)
-        elif mode == MASTER_REMAINDER:
-            hi, rem = remainder_split(w32.contiguous())
-            p.copy_(hi)
-            masters[i].copy_(rem)
-        elif mode == MASTER_STOCHASTIC:
-            idx = torch.arange(p.numel(), device=p.device).reshape(p.shape)
-            p.copy_(bf16_stochastic(w32, random16(step_seed(seed, t), slot, idx)))
-        else:
-            p.copy_(w32)
+        write_master(p, master, mode, w.float(), seed, t, slot)

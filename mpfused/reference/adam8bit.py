@@ -7,9 +7,8 @@ from __future__ import annotations
 import torch
 
 from mpfused.quant_maps import dequantize_blockwise, quantize_blockwise
-from mpfused.reference.adam import (MASTER_FP32, MASTER_NONE, MASTER_REMAINDER, MASTER_STOCHASTIC,
-                                    bf16_stochastic, grad_multiplier, random16, remainder_join,
-                                    remainder_split, step_seed)
+from mpfused.reference.adam import (MASTER_FP32, MASTER_REMAINDER, grad_multiplier, kernel_mode,
+                                    read_master, write_master)
 
 
 def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters, steps,
@@ -29,13 +28,9 @@ def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, mas
         if p.numel() == 0:
             continue
         slot += 1
-        mode = master_mode if p.dtype != torch.float32 else MASTER_NONE
-        if mode == MASTER_FP32:
-            w = masters[i].double()
-        elif mode == MASTER_REMAINDER:
-            w = remainder_join(p, masters[i]).double()
-        else:
-            w = p.double()
+        mode = kernel_mode(p, master_mode)
+        master = masters[i] if mode in (MASTER_FP32, MASTER_REMAINDER) else None
+        w = read_master(p, master, mode)
         g = grads[i].double() * mult
         if decoupled:
             w = w * (1 - lr * weight_decay)
@@ -56,16 +51,4 @@ def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, mas
         exp_avg_sqs[i].copy_(c2)
         absmax1s[i].copy_(a1)
         absmax2s[i].copy_(a2)
-        w32 = w.float()
-        if mode == MASTER_FP32:
-            masters[i].copy_(w32)
-            p.copy_(w32)
-        elif mode == MASTER_REMAINDER:
-            hi, rem = remainder_split(w32.contiguous())
-            p.copy_(hi)
-            masters[i].copy_(rem)
-        elif mode == MASTER_STOCHASTIC:
-            idx = torch.arange(p.numel(), device=p.device).reshape(p.shape)
-            p.copy_(bf16_stochastic(w32, random16(step_seed(seed, t), slot, idx)))
-        else:
-            p.copy_(w32)
+        write_master(p, master, mode, w.float(), seed, t, slot)
