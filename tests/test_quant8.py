@@ -158,3 +158,25 @@ def test_codec_layout_zero_blocks_and_partial_block():
     assert bool((codes[:256] == 127).all())  # zeros encode as exact zero
     y = qm.dequantize_blockwise(codes, absmax, qm.signed_map(), 256)
     assert torch.equal(y[:256], torch.zeros(256)) and y[-5].item() == (3.0 * qm.signed_map()[0]).item()
+
+
+@pytest.mark.parametrize("dtype,mode", [(torch.float32, 0), (torch.bfloat16, 1), (torch.bfloat16, 2)])
+def test_opcheck_adam8bit_step(dtype, mode):
+    """Schema, fake kernel and aot dispatch of adam8bit_step_ on CPU (every op passes opcheck)."""
+    from mpfused.ops import OPS
+    from mpfused.quant_maps import signed_map, unsigned_map
+
+    n = 300
+    p = [torch.randn(n).to(dtype)]
+    g = [torch.randn(n).to(dtype)]
+    codes1 = [torch.full((n,), 127, dtype=torch.uint8)]
+    codes2 = [torch.zeros(n, dtype=torch.uint8)]
+    nb = (n + 255) // 256
+    a1, a2 = [torch.zeros(nb)], [torch.zeros(nb)]
+    masters = ([p[0].float()] if mode == 1 else
+               [torch.zeros(n, dtype=torch.int16)] if mode == 2 else [])
+    args = (p, g, codes1, codes2, a1, a2, masters, [torch.zeros(())],
+            signed_map(torch.device("cpu")), unsigned_map(torch.device("cpu")), 256, 1e-3, None,
+            0.9, 0.999, 1e-8, 0.01, False, True, mode, torch.tensor(2.0), torch.zeros(()), None,
+            0.0, 0)
+    torch.library.opcheck(OPS["adam8bit_step_"].overload, args)
