@@ -344,3 +344,34 @@ def test_state_dict_with_wrong_shapes_is_rejected_before_any_change():
         opt.load_state_dict(sd)
     for k, v in opt.state[ps[0]].items():
         assert torch.equal(v, before[k])
+
+
+def test_param_group_errors_leave_optimizer_unchanged():
+    p = torch.nn.Parameter(torch.randn(3))
+    with pytest.raises(ValueError, match="appears twice in one param group"):
+        mpfused.AdamW([p, p])
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        mpfused.AdamW([{"params": [p]}, {"params": [p]}])
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        mpfused.AdamW([torch.zeros(3, dtype=torch.int32)])
+    opt = mpfused.AdamW([p])
+    with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2, dtype=torch.float64))]})
+    assert len(opt.param_groups) == 1
+
+
+@pytest.mark.skipif("native" not in mpfused.ops.OPS["adam_step_"].available("cpu"),
+                    reason="no native extension")
+def test_kernel_rejects_mismatched_grads():
+    from mpfused.ops.adam import adam_step_
+
+    p = [torch.randn(4)]
+    state = ([torch.zeros(4)], [torch.zeros(4)], [], [], [torch.zeros(())])
+    hyper = (1e-3, None, 0.9, 0.999, 1e-8, 0.0, False, False, True, 0)
+    with pytest.raises(RuntimeError, match=r"grads\[0\] must have its param's dtype"):
+        adam_step_(p, [torch.randn(4).half()], *state, *hyper, backend="native")
+    with pytest.raises(RuntimeError, match="operands differ in size"):
+        adam_step_(p, [torch.randn(5)], *state, *hyper, backend="native")
+    with pytest.raises(RuntimeError, match=r"steps\[0\] must be a 1-element float32"):
+        adam_step_(p, [torch.randn(4)], *state[:4], [torch.zeros((), dtype=torch.int64)], *hyper,
+                   backend="native")

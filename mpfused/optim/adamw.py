@@ -74,14 +74,22 @@ class AdamW(Optimizer):
         self._backend = backend
         self._seed = int(seed)
         self._plans: dict[int, GroupPlan] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.is_complex() or not p.is_floating_point() or p.dtype == torch.float64:
-                    raise ValueError(
-                        f"mpfused.{type(self).__name__}: params must be float32, float16 or "
-                        f"bfloat16 real tensors, got {p.dtype}")
         self.register_load_state_dict_pre_hook(_stash_fp32_state)
         self.register_load_state_dict_post_hook(_restore_fp32_state)
+
+    def add_param_group(self, param_group) -> None:
+        super().add_param_group(param_group)
+        params = self.param_groups[-1]["params"]
+        error = None
+        if len({id(p) for p in params}) != len(params):
+            error = ("a parameter appears twice in one param group; each param must appear once "
+                     "(the fused kernel would update it twice)")
+        for p in params:
+            if p.is_complex() or not p.is_floating_point() or p.dtype == torch.float64:
+                error = f"params must be float32, float16 or bfloat16 real tensors, got {p.dtype}"
+        if error:
+            self.param_groups.pop()  # nothing of the rejected group stays
+            raise ValueError(f"mpfused.{type(self).__name__}: {error}")
 
     def __setstate__(self, state):
         super().__setstate__(state)
