@@ -244,3 +244,46 @@ def test_adam8bit_step_property(device, backend, data):
     for k in (3, 4):
         for a, b in zip(outs[0][k], outs[1][k]):
             assert_close(a, b, dtype=torch.float32, rtol=3e-5, atol=1e-12)
+
+
+def _mem_available_gib() -> float:
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+@pytest.mark.skipif(_mem_available_gib() < 16, reason="needs ~13 GiB free for 2^31-element state")
+@pytest.mark.skipif("native" not in OPS["adam8bit_step_"].available("cpu"), reason="no extension")
+def test_64bit_indexing_adam8bit_cpu():
+    """The 8-bit kernel on a param of 2^31 + 300 elements: elements past 2^31 (in the last,
+    partial quantization block) get exactly the update they get in a small tensor."""
+    from mpfused.quant_maps import signed_map, unsigned_map
+
+    n, tail = 2**31 + 300, 300 + 256  # the last 556 elements: blocks past 2^31, the last partial
+    cpu = torch.device("cpu")
+    q1, q2 = signed_map(cpu), unsigned_map(cpu)
+    vals = torch.randn(tail).bfloat16()
+    grads_tail = torch.randn(tail).bfloat16()
+
+    def run(size):
+        p = torch.zeros(size, dtype=torch.bfloat16)
+        g = torch.zeros(size, dtype=torch.bfloat16)
+        p[-tail:], g[-tail:] = vals, grads_tail
+        c1 = torch.full((size,), 127, dtype=torch.uint8)
+        c2 = torch.zeros(size, dtype=torch.uint8)
+        nb = (size + 255) // 256
+        a1, a2 = torch.zeros(nb), torch.zeros(nb)
+        OPS["adam8bit_step_"]([p], [g], [c1], [c2], [a1], [a2], [], [torch.zeros(())], q1, q2,
+                              256, 1e-2, None, 0.9, 0.999, 1e-8, 0.0, False, True, 0,
+                              backend="native")
+        return p[-tail:].clone(), c1[-tail:].clone(), c2[-tail:].clone(), a1[-3:].clone()
+
+    big = run(n)
+    gc.collect()
+    small = run(tail + 2 * 256 + (n - tail) % 256)  # same offset of the tail inside its blocks
+    for a, b in zip(big, small):
+        assert torch.equal(a, b)
