@@ -354,6 +354,8 @@ def test_param_group_errors_leave_optimizer_unchanged():
         mpfused.AdamW([{"params": [p]}, {"params": [p]}])
     with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
         mpfused.AdamW([torch.zeros(3, dtype=torch.int32)])
+    with pytest.raises(ValueError, match=r"on one device: params\[1\] is on meta"):
+        mpfused.AdamW([p, torch.nn.Parameter(torch.empty(3, device="meta"))])
     opt = mpfused.AdamW([p])
     with pytest.raises(ValueError, match="float32, float16 or bfloat16"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2, dtype=torch.float64))]})

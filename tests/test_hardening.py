@@ -33,16 +33,17 @@ def expected_scale_trajectory(init, events, growth_interval, growth=2.0, backoff
     return out
 
 
-@pytest.mark.parametrize("master", ["fp32", "remainder"])
-def test_non_finite_storm(master):
+@pytest.mark.parametrize("optim,master", [("AdamW", "fp32"), ("AdamW", "remainder"),
+                                          ("AdamW8bit", "fp32")])
+def test_non_finite_storm(optim, master):
     """2000 steps with inf/NaN at random steps, tensors and positions (also the last element of an
     odd-sized tensor, also in one tensor of many): skipped steps change nothing, no NaN reaches a
     weight or a state, the scale follows the rule, training continues."""
     rng = random.Random(1234)
     shapes = [(31,), (17, 3), (1,), (257,), (5, 5, 5)] + [(rng.randint(1, 9),) for _ in range(40)]
     params = [torch.nn.Parameter(torch.randn(s).bfloat16()) for s in shapes]
-    params += [torch.nn.Parameter(torch.randn(13, 7))]
-    opt = mpfused.AdamW(params, lr=1e-3, master_weights=master, max_grad_norm=5.0)
+    params += [torch.nn.Parameter(torch.randn(13, 7)), torch.nn.Parameter(torch.randn(64, 81))]
+    opt = getattr(mpfused, optim)(params, lr=1e-3, master_weights=master, max_grad_norm=5.0)
     scaler = mpfused.GradScaler("cpu", init_scale=2.0**12, growth_interval=3)
     events, scales = [], []
     for step in range(2000):
@@ -148,19 +149,21 @@ def test_adam_step_property(device, backend, data):
 OP_TOL_PARAM = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 
-def test_deterministic_run_to_run(device, backend):
+@pytest.mark.parametrize("optim", ["AdamW", "AdamW8bit"])
+def test_deterministic_run_to_run(device, backend, optim):
     torch.manual_seed(0)
     base = [torch.randn(n, device=device) for n in (4097, 33, 32769 if backend != "triton" else 5)]
     outs = []
     for _ in range(2):
         p = [torch.nn.Parameter(b.clone().bfloat16()) for b in base]
-        opt = mpfused.AdamW(p, max_grad_norm=1.0, backend=backend)
+        opt = getattr(mpfused, optim)(p, max_grad_norm=1.0, backend=backend)
         gen = torch.Generator(device=device).manual_seed(1)
         for _ in range(3):
             for q in p:
                 q.grad = torch.randn(q.shape, generator=gen, device=device).bfloat16()
             opt.step()
-        outs.append([q.detach().clone() for q in p] + [opt.state[q]["master"] for q in p])
+        outs.append([q.detach().clone() for q in p] +
+                    [v for q in p for v in opt.state[q].values()])
     for a, b in zip(*outs):
         assert torch.equal(a, b)
 

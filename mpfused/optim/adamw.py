@@ -84,9 +84,12 @@ class AdamW(Optimizer):
         if len({id(p) for p in params}) != len(params):
             error = ("a parameter appears twice in one param group; each param must appear once "
                      "(the fused kernel would update it twice)")
-        for p in params:
+        for i, p in enumerate(params):
             if p.is_complex() or not p.is_floating_point() or p.dtype == torch.float64:
                 error = f"params must be float32, float16 or bfloat16 real tensors, got {p.dtype}"
+            elif p.device != params[0].device:
+                error = (f"params of one param group must be on one device: params[{i}] is on "
+                         f"{p.device}, params[0] on {params[0].device}")
         if error:
             self.param_groups.pop()  # nothing of the rejected group stays
             raise ValueError(f"mpfused.{type(self).__name__}: {error}")
