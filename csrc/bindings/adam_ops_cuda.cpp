@@ -29,19 +29,7 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
   const c10::cuda::CUDAGuard guard(dev);
   // lr: a CUDA tensor is read by the kernel (cast to float32 on the device if needed); a CPU
   // tensor is read here (a host read, not a device sync).
-  float lr_value = float(lr);
-  at::Tensor lr_dev;
-  if (lr_tensor) {
-    TORCH_CHECK(lr_tensor->numel() == 1, "mpfused: lr_tensor must have one element, got ",
-                lr_tensor->sizes());
-    if (lr_tensor->device().is_cpu()) {
-      lr_value = float(lr_tensor->item<double>());
-    } else {
-      TORCH_CHECK(lr_tensor->device() == dev, "mpfused: lr_tensor must be on ", dev,
-                  " (the params' device) or on the CPU, got ", lr_tensor->device());
-      lr_dev = lr_tensor->scalar_type() == at::kFloat ? *lr_tensor : lr_tensor->to(at::kFloat);
-    }
-  }
+  const LrArg lr_arg = resolve_lr(lr, lr_tensor, dev);
 
   const bool has_master = master_mode == kFp32Master || master_mode == kRemainder;
   // Stochastic rounding draws per logical element index (as the reference): such tensors must
@@ -64,8 +52,9 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
     lists.dtype = packed.dtype.data();
     lists.size = int64_t(packed.numel.size());
     cuda::AdamConfig cfg{};
-    cfg.lr = lr_value;
-    cfg.lr_ptr = lr_dev.defined() ? lr_dev.data_ptr<float>() : nullptr;
+    cfg.lr = lr_arg.value;
+    cfg.lr_ptr =
+        lr_arg.device_tensor.defined() ? lr_arg.device_tensor.data_ptr<float>() : nullptr;
     cfg.beta1 = beta1;
     cfg.beta2 = beta2;
     cfg.eps = float(eps);

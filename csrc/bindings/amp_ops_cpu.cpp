@@ -40,12 +40,7 @@ void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
                       const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
                       double growth_factor, double backoff_factor, int64_t growth_interval,
                       int64_t hysteresis, double min_scale, double max_scale) {
-  const at::Device dev = scale.device();
-  check_scalar_f32(scale, "scale", dev);
-  check_scalar_f32(found_inf, "found_inf", dev);
-  TORCH_CHECK(growth_tracker.numel() == 1 && growth_tracker.scalar_type() == at::kInt &&
-                  hysteresis_tracker.numel() == 1 && hysteresis_tracker.scalar_type() == at::kInt,
-              "mpfused: growth_tracker and hysteresis_tracker must be 1-element int32 tensors");
+  check_update_scale_args(scale, growth_tracker, hysteresis_tracker, found_inf);
   update_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
                hysteresis_tracker.data_ptr<int32_t>(), found_inf.item<float>(),
                ScaleUpdateParams{growth_factor, backoff_factor, growth_interval,

@@ -180,6 +180,45 @@ inline at::Device check_adam8bit_args(at::TensorList params, at::TensorList grad
   return dev;
 }
 
+// The learning rate a kernel reads: a tensor on the params' device stays there (read by the
+// kernel: capturable); a CPU tensor or a float is a host value (a host read, not a device sync).
+struct LrArg {
+  float value;
+  at::Tensor device_tensor;  // undefined unless the kernel reads lr on the device
+};
+
+inline LrArg resolve_lr(double lr, const std::optional<at::Tensor>& lr_tensor,
+                        const at::Device& dev) {
+  LrArg out{float(lr), at::Tensor()};
+  if (!lr_tensor) return out;
+  TORCH_CHECK(lr_tensor->numel() == 1, "mpfused: lr_tensor must have one element, got ",
+              lr_tensor->sizes());
+  if (lr_tensor->device().is_cpu()) {
+    out.value = float(lr_tensor->item<double>());
+  } else {
+    TORCH_CHECK(lr_tensor->device() == dev, "mpfused: lr_tensor must be on ", dev,
+                " (the params' device) or on the CPU, got ", lr_tensor->device());
+    out.device_tensor =
+        lr_tensor->scalar_type() == at::kFloat ? *lr_tensor : lr_tensor->to(at::kFloat);
+  }
+  return out;
+}
+
+// Arguments of update_scale_ (every backend).
+inline void check_update_scale_args(const at::Tensor& scale, const at::Tensor& growth_tracker,
+                                    const at::Tensor& hysteresis_tracker,
+                                    const at::Tensor& found_inf) {
+  const at::Device dev = scale.device();
+  check_scalar_f32(scale, "scale", dev);
+  check_scalar_f32(found_inf, "found_inf", dev);
+  TORCH_CHECK(growth_tracker.numel() == 1 && growth_tracker.scalar_type() == at::kInt &&
+                  hysteresis_tracker.numel() == 1 && hysteresis_tracker.scalar_type() == at::kInt,
+              "mpfused: growth_tracker and hysteresis_tracker must be 1-element int32 tensors");
+  TORCH_CHECK(growth_tracker.device() == dev && hysteresis_tracker.device() == dev,
+              "mpfused: growth_tracker and hysteresis_tracker must be on ", dev,
+              " (the scale's device)");
+}
+
 // Packs DEPTH parallel tensor lists (operand k of tensor i is lists[k][i]). Elementwise kernels
 // are order-agnostic, so a tensor whose operands are all dense with identical strides is used in
 // place; any other tensor is staged through contiguous copies, written back by finish() for the
