@@ -31,6 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mpfused.triton_kernels._adam_scalars import adam_scalars
 from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, load_f32, store_f32
 
 BLOCK = 2048
@@ -51,55 +52,9 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, step_ptr, lr_
             return
 
     # ---- per-tensor scalars (adam_math.h::adam_scalars) ---------------------------------------
-    # Float arguments are fp32 tensors when compiled but Python floats (doubles) under the
-    # interpreter: tl.full rounds them to fp32 explicitly so both see the CPU kernel's values.
-    # (Helpers are inlined: every nested jit call costs the interpreter a re-patch.)
-    if HAS_LR:
-        lr32 = tl.load(lr_ptr).to(tl.float32)
-    else:
-        lr32 = tl.full((), lr, tl.float32)
-    b1 = tl.full((), beta1, tl.float32)
-    b2 = tl.full((), beta2, tl.float32)
-    eps32 = tl.full((), eps, tl.float32)
-    wd = tl.full((), weight_decay, tl.float32)
-    # t = step + 1; beta^t in fp64 by binary exponentiation (libdevice pow does not exist in the
-    # interpreter): a few fp64 ulps from C's pow, far below the fp32 rounding that follows.
-    # The betas enter the bias corrections as fp64 (torch's for-loop and the reference use the
-    # Python floats): each is passed as fp32 hi + lo words (float kernel arguments are fp32).
-    ti = (tl.load(step_ptr).to(tl.float64) + 1.0).to(tl.int64)
-    e = ti
-    x1 = b1.to(tl.float64) + tl.full((), beta1_lo, tl.float32).to(tl.float64)
-    x2 = b2.to(tl.float64) + tl.full((), beta2_lo, tl.float32).to(tl.float64)
-    pw1 = tl.full((), 1.0, tl.float64)
-    pw2 = tl.full((), 1.0, tl.float64)
-    while e > 0:
-        odd = (e & 1) == 1
-        pw1 = tl.where(odd, pw1 * x1, pw1)
-        pw2 = tl.where(odd, pw2 * x2, pw2)
-        x1 = x1 * x1
-        x2 = x2 * x2
-        e = e >> 1
-    step_size = (lr32.to(tl.float64) / (1.0 - pw1)).to(tl.float32)
-    bc2_sqrt = tl.sqrt(1.0 - pw2).to(tl.float32)
-    gm = tl.full((), 1.0, tl.float32)
-    if HAS_SCALE:
-        gm = tl.div_rn(gm, tl.load(scale_ptr).to(tl.float32))
-    if HAS_NORM:
-        # fp64 as the CPU kernel: max_grad_norm (an fp64 split into two fp32 words, since float
-        # kernel arguments are fp32) / (sqrt(norm_sq) + 1e-6), std::min(1.0, q), rounded to fp32.
-        mgn = tl.full((), mgn_hi, tl.float32).to(tl.float64) + tl.full((), mgn_lo, tl.float32).to(tl.float64)
-        norm = tl.sqrt(tl.load(norm_ptr).to(tl.float32).to(tl.float64))
-        q = mgn / (norm + 1e-6)
-        clip = tl.where(q < 1.0, q, 1.0)  # std::min(1.0, q): NaN gives 1
-        gm = gm * clip.to(tl.float32)
-    if MAXIMIZE:
-        gm = -gm
-    if DECOUPLED:
-        decay = lr32 * wd
-        l2 = tl.full((), 0.0, tl.float32)
-    else:
-        decay = tl.full((), 0.0, tl.float32)
-        l2 = wd
+    ti, lr32, b1, b2, eps32, step_size, bc2_sqrt, gm, decay, l2 = adam_scalars(
+        step_ptr, lr_ptr, scale_ptr, norm_ptr, lr, beta1, beta1_lo, beta2, beta2_lo, eps,
+        weight_decay, mgn_hi, mgn_lo, HAS_LR, HAS_SCALE, HAS_NORM, MAXIMIZE, DECOUPLED)
     one_m_b1 = 1.0 - b1
     one_m_b2 = 1.0 - b2
 

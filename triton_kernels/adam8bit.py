@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from mpfused.quant_maps import thresholds, zero_code
+from mpfused.triton_kernels._adam_scalars import adam_scalars
 from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, load_f32, store_f32
 from mpfused.triton_kernels.adam import _kernel_mode, _round_f32
 
@@ -53,51 +54,10 @@ def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_p
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit indexing
     mask = offs < n
-    # ---- per-tensor scalars: adam_math.h::adam_scalars, formed exactly as
-    # triton_kernels/adam.py does (tl.full rounds the interpreter's Python floats to fp32;
-    # betas and max_grad_norm arrive as fp32 hi + lo words of their fp64 values; beta^t by
-    # binary exponentiation in fp64) ----
-    if HAS_LR:
-        lr32 = tl.load(lr_ptr).to(tl.float32)
-    else:
-        lr32 = tl.full((), lr, tl.float32)
-    b1 = tl.full((), beta1, tl.float32)
-    b2 = tl.full((), beta2, tl.float32)
-    eps32 = tl.full((), eps, tl.float32)
-    wd = tl.full((), weight_decay, tl.float32)
-    ti = (tl.load(step_ptr).to(tl.float64) + 1.0).to(tl.int64)
-    e = ti
-    x1 = b1.to(tl.float64) + tl.full((), beta1_lo, tl.float32).to(tl.float64)
-    x2 = b2.to(tl.float64) + tl.full((), beta2_lo, tl.float32).to(tl.float64)
-    pw1 = tl.full((), 1.0, tl.float64)
-    pw2 = tl.full((), 1.0, tl.float64)
-    while e > 0:
-        odd = (e & 1) == 1
-        pw1 = tl.where(odd, pw1 * x1, pw1)
-        pw2 = tl.where(odd, pw2 * x2, pw2)
-        x1 = x1 * x1
-        x2 = x2 * x2
-        e = e >> 1
-    step_size = (lr32.to(tl.float64) / (1.0 - pw1)).to(tl.float32)
-    bc2_sqrt = tl.sqrt(1.0 - pw2).to(tl.float32)
-    gm = tl.full((), 1.0, tl.float32)
-    if HAS_SCALE:
-        gm = tl.div_rn(gm, tl.load(scale_ptr).to(tl.float32))
-    if HAS_NORM:
-        mgn = (tl.full((), mgn_hi, tl.float32).to(tl.float64)
-               + tl.full((), mgn_lo, tl.float32).to(tl.float64))
-        norm = tl.sqrt(tl.load(norm_ptr).to(tl.float32).to(tl.float64))
-        q = mgn / (norm + 1e-6)
-        clip = tl.where(q < 1.0, q, 1.0)  # std::min(1.0, q)
-        gm = gm * clip.to(tl.float32)
-    if MAXIMIZE:
-        gm = -gm
-    if DECOUPLED:
-        decay = lr32 * wd
-        l2 = tl.full((), 0.0, tl.float32)
-    else:
-        decay = tl.full((), 0.0, tl.float32)
-        l2 = wd
+    # ---- per-tensor scalars (adam_math.h::adam_scalars), shared with triton_kernels/adam.py ----
+    ti, lr32, b1, b2, eps32, step_size, bc2_sqrt, gm, decay, l2 = adam_scalars(
+        step_ptr, lr_ptr, scale_ptr, norm_ptr, lr, beta1, beta1_lo, beta2, beta2_lo, eps,
+        weight_decay, mgn_hi, mgn_lo, HAS_LR, HAS_SCALE, HAS_NORM, MAXIMIZE, DECOUPLED)
     # ---- fp32 value of the param ----
     if MODE == 1:
         w = tl.load(w_ptr + offs, mask=mask, other=0.0)
