@@ -377,3 +377,16 @@ def test_kernel_rejects_mismatched_grads():
     with pytest.raises(RuntimeError, match=r"steps\[0\] must be a 1-element float32"):
         adam_step_(p, [torch.randn(4)], *state[:4], [torch.zeros((), dtype=torch.int64)], *hyper,
                    backend="native")
+
+
+def test_state_dict_with_wrong_dtypes_is_rejected():
+    p = torch.nn.Parameter(torch.randn(5).bfloat16())
+    opt = mpfused.AdamW([p], master_weights="remainder")
+    p.grad = torch.randn_like(p)
+    opt.step()
+    for key, bad in (("exp_avg", torch.zeros(5, dtype=torch.int64)),
+                     ("master_remainder", torch.zeros(5))):
+        sd = copy.deepcopy(opt.state_dict())
+        sd["state"][0][key] = bad
+        with pytest.raises(ValueError, match=rf"state\[0\]\['{key}'\] has dtype"):
+            opt.load_state_dict(sd)

@@ -260,6 +260,15 @@ def _on(t, device):
 PER_ELEMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "master_remainder")
 
 
+def _allowed_state_dtypes(optimizer, key):
+    """None: any floating dtype (cast to fp32 on load); else the exact dtypes accepted."""
+    if key == "master_remainder":
+        return (torch.int16,)
+    if key in ("exp_avg", "exp_avg_sq") and getattr(optimizer, "_quantized_moments", False):
+        return (torch.uint8, torch.float32, torch.float16, torch.bfloat16)  # codes or 32-bit
+    return None
+
+
 def _saved_pairs(optimizer, saved_groups):
     """(saved id, param, group) in torch's matching order: groups in order, params in order."""
     for saved, group in zip(saved_groups, optimizer.param_groups):
@@ -274,11 +283,18 @@ def _stash_fp32_state(optimizer, state_dict):
         for key in PER_ELEMENT_KEYS:
             value = saved_state.get(pid, {}).get(key)
             # DCP + FSDP2 hands DTensor state (global shape): compare its local shard.
-            if isinstance(value, torch.Tensor) and _local(value).shape != local.shape:
+            if not isinstance(value, torch.Tensor):
+                continue
+            if _local(value).shape != local.shape:
                 raise ValueError(
                     f"loaded state_dict: state[{pid}][{key!r}] has shape {tuple(value.shape)} but "
                     f"its param has shape {tuple(local.shape)}; per-element state must have the "
                     "param's shape")
+            allowed = _allowed_state_dtypes(optimizer, key)
+            if not (value.is_floating_point() if allowed is None else value.dtype in allowed):
+                raise ValueError(
+                    f"loaded state_dict: state[{pid}][{key!r}] has dtype {value.dtype}; "
+                    f"{key} must be {'a floating tensor' if allowed is None else allowed}")
     optimizer._loading = (saved_groups, saved_state)
     return state_dict
 

@@ -120,6 +120,7 @@ def _check_block_size(block_size, where: str = "block_size") -> None:
 
 
 class AdamW8bit(AdamW):
+    _quantized_moments = True  # exp_avg/exp_avg_sq may be uint8 codes in a state_dict
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
                  block_size: int = 256, min_8bit_size: int = 4096, master_weights: str = "fp32",
