@@ -50,33 +50,6 @@ struct Maps {
   int32_t zero_code1;
 };
 
-// The fp32 value w of a parameter and its store back, per master mode (adam_math.h helpers).
-template <typename T, int MODE>
-MPF_HD float load_w(const T* p, const float* master, const int16_t* rem, int64_t i) {
-  if constexpr (MODE == kFp32Master) return master[i];
-  else if constexpr (MODE == kRemainder) return remainder_join(reinterpret_cast<const uint16_t*>(p)[i], rem[i]);
-  else return to_f32(p[i]);
-}
-
-template <typename T, int MODE>
-MPF_HD void store_w(float w, T* p, float* master, int16_t* rem, int64_t i, uint64_t seed,
-                    int64_t tensor, int64_t index) {
-  if constexpr (MODE == kFp32Master) {
-    master[i] = w;
-    p[i] = from_f32<T>(w);
-  } else if constexpr (MODE == kRemainder) {
-    uint16_t hi;
-    int16_t lo;
-    remainder_split(w, hi, lo);
-    reinterpret_cast<uint16_t*>(p)[i] = hi;
-    rem[i] = lo;
-  } else if constexpr (MODE == kStochastic) {
-    reinterpret_cast<uint16_t*>(p)[i] = bf16_bits_stochastic(w, random16(seed, uint64_t(tensor), uint64_t(index)));
-  } else {
-    p[i] = from_f32<T>(w);
-  }
-}
-
 // One chunk (whole quantization blocks) of one tensor. Per block: pass 1 dequantizes with the old
 // absmax, runs the fp32 Adam update (the param gets this step's unquantized moments) and takes
 // the new absmax of the updated moments; pass 2 requantizes them with the new absmax.
@@ -121,12 +94,12 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
 #pragma omp simd reduction(max : am1, am2)
       for (int64_t j = 0; j < tl; ++j) {
         const int64_t i = o + j;
-        float w = load_w<T, MODE>(p, master, rem, i);
+        float w = load_weight<T, MODE>(p, master, rem, i);
         float m = quant8_decode(map1, k1[j], a1);
         float v = quant8_decode(map2, k2[j], a2);
         float unused = 0.f;
         adam_element<false>(w, to_f32(g[i]), m, v, unused, s);
-        store_w<T, MODE>(w, p, master, rem, i, seed, tensor, begin + i);
+        store_weight<T, MODE>(w, p, master, rem, i, seed, tensor, begin + i);
         mb[t0 + j] = m;
         vb[t0 + j] = v;
         am1 = am1 > fabsf(m) ? am1 : fabsf(m);

@@ -19,28 +19,11 @@ MPF_CPU_MULTIVERSION void adam_chunk(void* const* ops, int64_t begin, int64_t n,
   int16_t* __restrict rem = MODE == kRemainder ? static_cast<int16_t*>(ops[kMaster]) + begin : nullptr;
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) {
-    float w;
-    if constexpr (MODE == kFp32Master) w = master[i];
-    else if constexpr (MODE == kRemainder) w = remainder_join(reinterpret_cast<const uint16_t*>(p)[i], rem[i]);
-    else w = to_f32(p[i]);
+    float w = load_weight<T, MODE>(p, master, rem, i);
     float vm = AMSGRAD ? vmax[i] : 0.f;
     adam_element<AMSGRAD>(w, to_f32(g[i]), m[i], v[i], vm, s);
     if (AMSGRAD) vmax[i] = vm;
-    if constexpr (MODE == kFp32Master) {
-      master[i] = w;
-      p[i] = from_f32<T>(w);
-    } else if constexpr (MODE == kRemainder) {
-      uint16_t hi;
-      int16_t lo;
-      remainder_split(w, hi, lo);
-      reinterpret_cast<uint16_t*>(p)[i] = hi;
-      rem[i] = lo;
-    } else if constexpr (MODE == kStochastic) {
-      reinterpret_cast<uint16_t*>(p)[i] =
-          bf16_bits_stochastic(w, random16(seed, uint64_t(tensor), uint64_t(begin + i)));
-    } else {
-      p[i] = from_f32<T>(w);
-    }
+    store_weight<T, MODE>(w, p, master, rem, i, seed, tensor, begin + i);
   }
 }
 

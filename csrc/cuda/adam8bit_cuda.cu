@@ -234,7 +234,7 @@ __host__ __device__ __forceinline__ void run_chunk(const Ex& ex, Shared& sh,
         mv.v[j] = 0.f;
         vv.v[j] = 0.f;
         if (j >= cnt) continue;
-        // cpu::adam8bit_chunk's loop body (load_w / adam_element / store_w).
+        // cpu::adam8bit_chunk's loop body (load_weight / adam_element / store_weight).
         float w;
         if constexpr (MODE == kFp32Master) w = wv[j];
         else if constexpr (MODE == kRemainder) w = remainder_join(pv[j].bits, rv[j]);

@@ -34,27 +34,11 @@ template <typename T, int MODE, bool AMS>
 __device__ __forceinline__ void adam_one(T& p, T g, float& m, float& v, float& vmax,
                                          float& master, int16_t& rem, const AdamScalars& s,
                                          uint64_t seed, int64_t tensor, int64_t index) {
-  float w;
-  if constexpr (MODE == kFp32Master) w = master;
-  else if constexpr (MODE == kRemainder) w = remainder_join(p.bits, rem);
-  else w = to_f32(p);
+  float w = load_weight<T, MODE>(&p, &master, &rem, 0);
   float vm = AMS ? vmax : 0.f;
   adam_element<AMS>(w, to_f32(g), m, v, vm, s);
   if (AMS) vmax = vm;
-  if constexpr (MODE == kFp32Master) {
-    master = w;
-    p = from_f32<T>(w);
-  } else if constexpr (MODE == kRemainder) {
-    uint16_t hi;
-    int16_t lo;
-    remainder_split(w, hi, lo);
-    p = T{hi};
-    rem = lo;
-  } else if constexpr (MODE == kStochastic) {
-    p = T{bf16_bits_stochastic(w, random16(seed, uint64_t(tensor), uint64_t(index)))};
-  } else {
-    p = from_f32<T>(w);
-  }
+  store_weight<T, MODE>(w, &p, &master, &rem, 0, seed, tensor, index);
 }
 
 // One chunk of one tensor: 4-element vectors (16 B for the fp32 operands, 8 B for 16-bit ones)

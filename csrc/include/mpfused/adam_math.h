@@ -93,4 +93,36 @@ MPF_HD uint16_t bf16_bits_stochastic(float w, uint32_t r16) {
   return uint16_t((u + r16) >> 16);
 }
 
+// The fp32 value w of element i of a parameter, and its store back, per master mode: what every
+// Adam kernel does around adam_element (p: the param, master: fp32 masters, rem: remainders).
+template <typename T, int MODE>
+MPF_HD float load_weight(const T* p, const float* master, const int16_t* rem, int64_t i) {
+  if constexpr (MODE == kFp32Master) return master[i];
+  else if constexpr (MODE == kRemainder)
+    return remainder_join(reinterpret_cast<const uint16_t*>(p)[i], rem[i]);
+  else return to_f32(p[i]);
+}
+
+// `index` is the element's logical position in its tensor, `tensor` the tensor's position in the
+// call: the stochastic-rounding stream.
+template <typename T, int MODE>
+MPF_HD void store_weight(float w, T* p, float* master, int16_t* rem, int64_t i, uint64_t seed,
+                         int64_t tensor, int64_t index) {
+  if constexpr (MODE == kFp32Master) {
+    master[i] = w;
+    p[i] = from_f32<T>(w);
+  } else if constexpr (MODE == kRemainder) {
+    uint16_t hi;
+    int16_t lo;
+    remainder_split(w, hi, lo);
+    reinterpret_cast<uint16_t*>(p)[i] = hi;
+    rem[i] = lo;
+  } else if constexpr (MODE == kStochastic) {
+    reinterpret_cast<uint16_t*>(p)[i] =
+        bf16_bits_stochastic(w, random16(seed, uint64_t(tensor), uint64_t(index)));
+  } else {
+    p[i] = from_f32<T>(w);
+  }
+}
+
 }  // namespace mpfused
