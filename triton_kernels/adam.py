@@ -31,8 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mpfused.triton_kernels._adam_scalars import adam_scalars
-from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, load_f32, store_f32
+from mpfused.triton_kernels._adam_scalars import adam_scalars, load_weight, store_weight
+from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, load_f32
 
 BLOCK = 2048
 _M64 = (1 << 64) - 1
@@ -61,16 +61,7 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, step_ptr, lr_
     # ---- elements (adam_math.h::adam_element) -------------------------------------------------
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit indexing
     mask = offs < n
-    if MODE == 1:
-        w = tl.load(master_ptr + offs, mask=mask, other=0.0)
-    elif MODE == 2:
-        # remainder_join: hi16 = p_bits - (rem < 0), lo16 = rem
-        pb = tl.load(p_ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
-        rem = tl.load(master_ptr + offs, mask=mask, other=0).to(tl.int32)
-        hi = tl.where(rem < 0, (pb - 1) & 0xFFFF, pb)
-        w = ((hi << 16) | (rem & 0xFFFF)).to(tl.float32, bitcast=True)
-    else:
-        w = load_f32(p_ptr, offs, mask, DT)
+    w = load_weight(p_ptr, master_ptr, offs, mask, DT, MODE)
     g = load_f32(g_ptr, offs, mask, DT)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
@@ -89,32 +80,7 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, step_ptr, lr_
 
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
-    if MODE == 1:
-        tl.store(master_ptr + offs, w, mask=mask)
-        store_f32(p_ptr, offs, w, mask, DT)
-    elif MODE == 2:
-        # remainder_split: lo16 -> remainder, hi16 rounded to nearest (ties away from zero)
-        u = w.to(tl.uint32, bitcast=True)
-        lo = u & 0xFFFF
-        phi = ((u >> 16) + (lo >> 15)) & 0xFFFF
-        tl.store(p_ptr + offs, phi.to(tl.int32).to(tl.int16), mask=mask)
-        tl.store(master_ptr + offs, lo.to(tl.int32).to(tl.int16), mask=mask)
-    elif MODE == 3:
-        # bf16_bits_stochastic(w, random16(step_seed(seed, t), slot, index))
-        sseed = seed.to(tl.uint64) ^ (ti.to(tl.uint64) * 0xD1B54A32D192ED03)
-        # random16(sseed, slot, index): splitmix64 finalizer, uint64 wrap-around
-        z = (sseed + 0x9E3779B97F4A7C15 * (slot.to(tl.uint64) + 1)
-             + offs.to(tl.uint64) * 0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-        z = z ^ (z >> 31)
-        r16 = (z >> 48).to(tl.uint32)
-        u = w.to(tl.uint32, bitcast=True)
-        bits = (u + r16) >> 16
-        bits = tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, bits)
-        tl.store(p_ptr + offs, bits.to(tl.int32).to(tl.int16), mask=mask)
-    else:
-        store_f32(p_ptr, offs, w, mask, DT)
+    store_weight(w, p_ptr, master_ptr, offs, mask, seed, ti, slot, DT, MODE)
 
 
 def _round_f32(x: float) -> float:

@@ -18,8 +18,8 @@ import triton
 import triton.language as tl
 
 from mpfused.quant_maps import thresholds, zero_code
-from mpfused.triton_kernels._adam_scalars import adam_scalars
-from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, load_f32, store_f32
+from mpfused.triton_kernels._adam_scalars import adam_scalars, load_weight, store_weight
+from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, load_f32
 from mpfused.triton_kernels.adam import _kernel_mode, _round_f32
 
 MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC = 0, 1, 2, 3
@@ -59,15 +59,7 @@ def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_p
         step_ptr, lr_ptr, scale_ptr, norm_ptr, lr, beta1, beta1_lo, beta2, beta2_lo, eps,
         weight_decay, mgn_hi, mgn_lo, HAS_LR, HAS_SCALE, HAS_NORM, MAXIMIZE, DECOUPLED)
     # ---- fp32 value of the param ----
-    if MODE == 1:
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    elif MODE == 2:
-        hi = tl.load(p_ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
-        rem = tl.load(w_ptr + offs, mask=mask, other=0).to(tl.int32)
-        hi = tl.where(rem < 0, (hi - 1) & 0xFFFF, hi)
-        w = ((hi << 16) | (rem & 0xFFFF)).to(tl.float32, bitcast=True)
-    else:
-        w = load_f32(p_ptr, offs, mask, DT)
+    w = load_weight(p_ptr, w_ptr, offs, mask, DT, MODE)
     g = load_f32(g_ptr, offs, mask, DT)
     # ---- dequantize with the old absmax, update in fp32 (adam_element) ----
     c1 = tl.load(c1_ptr + offs, mask=mask, other=0).to(tl.int32)
@@ -81,30 +73,7 @@ def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_p
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps32
     w = w - tl.div_rn(step_size * m, denom)
     # ---- store the param ----
-    if MODE == 1:
-        tl.store(w_ptr + offs, w, mask=mask)
-        store_f32(p_ptr, offs, w, mask, DT)
-    elif MODE == 2:
-        u = w.to(tl.uint32, bitcast=True)
-        lo = u & 0xFFFF
-        hi = ((u >> 16) + tl.where(lo >= 0x8000, 1, 0)) & 0xFFFF
-        tl.store(p_ptr + offs, hi.to(tl.int32).to(tl.int16), mask=mask)
-        tl.store(w_ptr + offs, lo.to(tl.int32).to(tl.int16), mask=mask)
-    elif MODE == 3:
-        # bf16_bits_stochastic(w, random16(step_seed(seed, t), slot, logical index))
-        sseed = seed.to(tl.uint64) ^ (ti.to(tl.uint64) * 0xD1B54A32D192ED03)
-        z = (sseed + 0x9E3779B97F4A7C15 * (slot.to(tl.uint64) + 1)
-             + offs.to(tl.uint64) * 0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-        z = z ^ (z >> 31)
-        r16 = (z >> 48).to(tl.uint32)
-        u = w.to(tl.uint32, bitcast=True)
-        bits = (u + r16) >> 16
-        bits = tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, bits)
-        tl.store(p_ptr + offs, bits.to(tl.int32).to(tl.int16), mask=mask)
-    else:
-        store_f32(p_ptr, offs, w, mask, DT)
+    store_weight(w, p_ptr, w_ptr, offs, mask, seed, ti, slot, DT, MODE)
     # ---- new absmax of the updated moments, requantize ----
     am1 = tl.max(tl.where(mask, tl.abs(m), 0.0), axis=0)
     am2 = tl.max(tl.where(mask, tl.abs(v), 0.0), axis=0)
