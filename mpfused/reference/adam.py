@@ -105,21 +105,24 @@ def grad_multiplier(grad_scale, norm_sq, max_grad_norm) -> float:
     return mult
 
 
-def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, lr,
-               lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled,
-               master_mode, grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0,
-               seed=0):
+def param_updates(params, grads, masters, steps, lr, lr_tensor, weight_decay, maximize,
+                  decoupled, master_mode, grad_scale, found_inf, norm_sq, max_grad_norm):
+    """The walk every reference Adam step shares: skip on found_inf > 0, advance every step
+    counter, and for each non-empty param yield (i, p, t, slot, mode, master, w, g, lr) with w the
+    fp32 value (float64) and g the unscaled, clipped, signed grad, weight decay applied (AdamW:
+    to w; Adam: L2 into g). `slot` is the position among non-empty tensors: the kernels' tensor
+    index of the stochastic-rounding stream."""
     if not params or (found_inf is not None and found_inf.item() > 0):
         return
-    lr = float(lr_tensor.item()) if lr_tensor is not None else float(lr)
-    mult = grad_multiplier(grad_scale, norm_sq, max_grad_norm)
-    if maximize:
-        mult = -mult
     for i, g in enumerate(grads):
         if g is not None and g.layout != torch.strided:
             raise RuntimeError(f"mpfused: grads[{i}] is sparse; mpfused optimizers support dense "
                                "gradients only")
-    slot = -1  # position among non-empty tensors: the kernels' tensor index for the random stream
+    lr = float(lr_tensor.item()) if lr_tensor is not None else float(lr)
+    mult = grad_multiplier(grad_scale, norm_sq, max_grad_norm)
+    if maximize:
+        mult = -mult
+    slot = -1
     for i, p in enumerate(params):
         t = steps[i].item() + 1
         steps[i].add_(1)
@@ -130,10 +133,20 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, s
         master = masters[i] if mode in (MASTER_FP32, MASTER_REMAINDER) else None
         w = read_master(p, master, mode)
         g = grads[i].double() * mult
-        if not decoupled:
-            g = g + weight_decay * w
-        else:
+        if decoupled:
             w = w * (1 - lr * weight_decay)
+        else:
+            g = g + weight_decay * w
+        yield i, p, t, slot, mode, master, w, g, lr
+
+
+def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, lr,
+               lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled,
+               master_mode, grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0,
+               seed=0):
+    for i, p, t, slot, mode, master, w, g, lr in param_updates(
+            params, grads, masters, steps, lr, lr_tensor, weight_decay, maximize, decoupled,
+            master_mode, grad_scale, found_inf, norm_sq, max_grad_norm):
         m = exp_avgs[i].double()
         m = m + (1 - beta1) * (g - m)
         v = beta2 * exp_avg_sqs[i].double() + (1 - beta2) * g * g

@@ -7,35 +7,16 @@ from __future__ import annotations
 import torch
 
 from mpfused.quant_maps import dequantize_blockwise, quantize_blockwise
-from mpfused.reference.adam import (MASTER_FP32, MASTER_REMAINDER, grad_multiplier, kernel_mode,
-                                    read_master, write_master)
+from mpfused.reference.adam import param_updates, write_master
 
 
 def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters, steps,
                    qmap1, qmap2, block_size, lr, lr_tensor, beta1, beta2, eps, weight_decay,
                    maximize, decoupled, master_mode, grad_scale=None, found_inf=None,
                    norm_sq=None, max_grad_norm=0.0, seed=0):
-    if not params or (found_inf is not None and found_inf.item() > 0):
-        return
-    lr = float(lr_tensor.item()) if lr_tensor is not None else float(lr)
-    mult = grad_multiplier(grad_scale, norm_sq, max_grad_norm)
-    if maximize:
-        mult = -mult
-    slot = -1  # position among non-empty tensors: the kernels' tensor index for the random stream
-    for i, p in enumerate(params):
-        t = steps[i].item() + 1
-        steps[i].add_(1)
-        if p.numel() == 0:
-            continue
-        slot += 1
-        mode = kernel_mode(p, master_mode)
-        master = masters[i] if mode in (MASTER_FP32, MASTER_REMAINDER) else None
-        w = read_master(p, master, mode)
-        g = grads[i].double() * mult
-        if decoupled:
-            w = w * (1 - lr * weight_decay)
-        else:
-            g = g + weight_decay * w
+    for i, p, t, slot, mode, master, w, g, lr in param_updates(
+            params, grads, masters, steps, lr, lr_tensor, weight_decay, maximize, decoupled,
+            master_mode, grad_scale, found_inf, norm_sq, max_grad_norm):
         m = dequantize_blockwise(exp_avgs[i], absmax1s[i], qmap1, block_size).double()
         v = dequantize_blockwise(exp_avg_sqs[i], absmax2s[i], qmap2, block_size).double()
         m = m + (1 - beta1) * (g - m)
