@@ -16,7 +16,7 @@ import argparse
 import torch
 
 import mpfused
-from benchmarks.common import copy_bandwidth, median_time, print_table, split_sizes, write_results
+from benchmarks.common import copy_bandwidth, print_table, side_by_side, split_sizes, write_results
 
 BYTES = {"fp32_step": 28, "native_amp": 36, "mpfused_amp": 32}
 
@@ -47,14 +47,16 @@ def main(argv=None):
         for count in map(int, args.counts.split(",")):
             sizes = split_sizes(total, count)
             row = {"params": total, "tensors": count}
-            # fp32 optimizer step alone
-            for name, make in {
-                "torch_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-4, fused=True),
-                "torch_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-4, foreach=True),
-                "mpfused": lambda ps: mpfused.AdamW(ps, lr=1e-4),
-            }.items():
-                opt = make(params_for(sizes, torch.float32, dev))
-                row[f"{name}_fp32_ms"] = median_time(opt.step, dev) * 1e3
+            # fp32 optimizer step alone, the three contenders timed side by side
+            opts = {
+                "torch_fused": torch.optim.AdamW(params_for(sizes, torch.float32, dev), lr=1e-4, fused=True),
+                "torch_foreach": torch.optim.AdamW(params_for(sizes, torch.float32, dev), lr=1e-4, foreach=True),
+                "mpfused": mpfused.AdamW(params_for(sizes, torch.float32, dev), lr=1e-4),
+            }
+            t = side_by_side({n: o.step for n, o in opts.items()}, dev)
+            for name in opts:
+                row[f"{name}_fp32_ms"] = t[name] * 1e3
+            del opts
             row["fp32_speedup_vs_fused"] = row["torch_fused_fp32_ms"] / row["mpfused_fp32_ms"]
             row["mpfused_fp32_bw_frac"] = BYTES["fp32_step"] * total / (row["mpfused_fp32_ms"] / 1e3) / bw
             # full AMP step: scaler + optimizer
@@ -62,8 +64,10 @@ def main(argv=None):
             native_scaler = torch.amp.GradScaler(dev, init_scale=1.0, growth_interval=10**9)
             ours_opt = mpfused.AdamW(params_for(sizes, torch.bfloat16, dev), lr=1e-4)
             ours_scaler = mpfused.GradScaler(dev, init_scale=1.0, growth_interval=10**9)
-            row["native_amp_ms"] = median_time(lambda: amp_step(native_scaler, native_opt), dev) * 1e3
-            row["mpfused_amp_ms"] = median_time(lambda: amp_step(ours_scaler, ours_opt), dev) * 1e3
+            t = side_by_side({"native": lambda: amp_step(native_scaler, native_opt),
+                              "mpfused": lambda: amp_step(ours_scaler, ours_opt)}, dev)
+            row["native_amp_ms"] = t["native"] * 1e3
+            row["mpfused_amp_ms"] = t["mpfused"] * 1e3
             row["amp_speedup"] = row["native_amp_ms"] / row["mpfused_amp_ms"]
             row["mpfused_amp_bw_frac"] = BYTES["mpfused_amp"] * total / (row["mpfused_amp_ms"] / 1e3) / bw
             rows.append(row)

@@ -39,6 +39,22 @@ def median_time(fn, device: str, warmup: int = 3, reps: int = 15) -> float:
     return statistics.median(times)
 
 
+def side_by_side(fns: dict, device: str, warmup: int = 3, reps: int = 21) -> dict:
+    """Median seconds of each fn, timed round-robin (a, b, c, a, b, c, ...) so that drift in the
+    machine (other tenants, frequency, what the shared cache holds) hits every contender alike.
+    The order inside a round rotates every round: nobody always runs right after the same one."""
+    names = list(fns)
+    for _ in range(warmup):
+        for n in names:
+            fns[n]()
+    times = {n: [] for n in names}
+    for r in range(reps):
+        k = r % len(names)
+        for n in names[k:] + names[:k]:
+            times[n].append(median_time(fns[n], device, warmup=0, reps=1))
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
 def copy_bandwidth(device: str, nbytes: int = 1 << 28) -> float:
     """Measured bytes/s of a large device-to-device copy (bytes read + bytes written)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()

@@ -23,7 +23,7 @@ TORCH_CUDA_ARCH_LIST="$cap" MPFUSED_CUDA=1 MAX_JOBS=16 python3 -m pip install -q
 python3 -m mpfused.info | tee "$out/info.log"
 
 step "tests on CUDA"
-timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests >"$out/tests.log" 2>&1; echo "pytest rc=$?" | tee -a "$out/summary.log"
+timeout 300 python3 -m pytest -q -rfE --durations=15 -p no:cacheprovider tests >"$out/tests.log" 2>&1; echo "pytest rc=$?" | tee -a "$out/summary.log"
 tail -5 "$out/tests.log" | tee -a "$out/summary.log"
 
 for tool in memcheck racecheck; do
@@ -42,3 +42,5 @@ step "main job"
 timeout 240 python3 -m mpfused.bench --device cuda --out "$out/bench" >"$out/main_job.log" 2>&1; echo "bench rc=$?" | tee -a "$out/summary.log"
 tail -15 "$out/main_job.log" | tee -a "$out/summary.log"
 step "done"
+# $OUT returns at most 8 files: everything travels as one archive too
+tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")" 2>/dev/null
