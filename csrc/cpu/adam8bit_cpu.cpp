@@ -27,26 +27,31 @@ constexpr int64_t kMaxBlock = 4096;
 constexpr int64_t kTile = 256;
 static_assert(kChunkSize % kMaxBlock == 0, "chunks must hold whole quantization blocks");
 
-// Encoding tables per map, built once per distinct map (a few tens of microseconds) and kept.
-const Quant8Lut& encoder_for(const float* map) {
+// Encoding tables and thresholds per map, built once per distinct map (a few tens of
+// microseconds) and kept: a step only compares the 1 KB map with the cached ones.
+struct Encoder {
+  Quant8Lut lut;
+  float thr[kQuantCodes];  // binary-search thresholds: the fallback when a LUT is not exact
+};
+
+const Encoder& encoder_for(const float* map) {
   static std::mutex mu;
-  static std::vector<std::pair<std::vector<float>, std::unique_ptr<Quant8Lut>>> cache;
+  static std::vector<std::pair<std::vector<float>, std::unique_ptr<Encoder>>> cache;
   std::lock_guard<std::mutex> lock(mu);
-  for (auto& [key, lut] : cache)
-    if (std::memcmp(key.data(), map, sizeof(float) * kQuantCodes) == 0) return *lut;
-  auto lut = std::make_unique<Quant8Lut>();
-  quant8_build_lut(map, *lut);
-  cache.emplace_back(std::vector<float>(map, map + kQuantCodes), std::move(lut));
+  for (auto& [key, enc] : cache)
+    if (std::memcmp(key.data(), map, sizeof(float) * kQuantCodes) == 0) return *enc;
+  auto enc = std::make_unique<Encoder>();
+  quant8_build_lut(map, enc->lut);
+  quant8_thresholds(map, enc->thr);
+  cache.emplace_back(std::vector<float>(map, map + kQuantCodes), std::move(enc));
   return *cache.back().second;
 }
 
 struct Maps {
   const float* map1;
   const float* map2;
-  const Quant8Lut* enc1;
-  const Quant8Lut* enc2;
-  float thr1[kQuantCodes];  // binary-search thresholds: the fallback when a LUT is not exact
-  float thr2[kQuantCodes];
+  const Encoder* enc1;
+  const Encoder* enc2;
   int32_t zero_code1;
 };
 
@@ -107,10 +112,10 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
   const float* __restrict map1 = mp.map1;
   const float* __restrict map2 = mp.map2;
   const int32_t zc = mp.zero_code1;
-  const float* __restrict thr1 = mp.thr1;
-  const float* __restrict thr2 = mp.thr2;
-  const int32_t* __restrict lut1 = mp.enc1->lut;
-  const int32_t* __restrict lut2 = mp.enc2->lut;
+  const float* __restrict thr1 = mp.enc1->thr;
+  const float* __restrict thr2 = mp.enc2->thr;
+  const int32_t* __restrict lut1 = mp.enc1->lut.lut;
+  const int32_t* __restrict lut2 = mp.enc2->lut.lut;
   const AdamScalars sc = s;  // a local copy: the stores below cannot alias it
   // Codes are widened to / narrowed from int32 in tiles so that the table lookups are 32-bit
   // gathers (compilers emulate gathers with 8-bit indices element by element).
@@ -239,10 +244,8 @@ ChunkFn pick_kernel(int32_t dtype, int mode, bool lut) {
 void adam8bit_step(const TensorLists<7>& t, const double* step, const Adam8bitConfig& c,
                    int num_threads) {
   if (t.size == 0) return;
-  Maps mp{c.map1, c.map2, &encoder_for(c.map1), &encoder_for(c.map2), {}, {}, c.zero_code1};
-  quant8_thresholds(c.map1, mp.thr1);
-  quant8_thresholds(c.map2, mp.thr2);
-  const bool lut = mp.enc1->exact && mp.enc2->exact;
+  const Maps mp{c.map1, c.map2, &encoder_for(c.map1), &encoder_for(c.map2), c.zero_code1};
+  const bool lut = mp.enc1->lut.exact && mp.enc2->lut.exact;
   const std::vector<Chunk> chunks = make_chunks(t.numel, t.size);  // block-aligned (static_assert)
   std::vector<AdamScalars> scalars(size_t(t.size));
   std::vector<ChunkFn> kernels(size_t(t.size));

@@ -59,6 +59,7 @@ class Op:
     triton_path: str | None = None  # "module:function", imported on first use
     _overload: object = field(default=None, repr=False)
     _triton_fn: Callable | None = field(default=None, repr=False)
+    _resolved: dict = field(default_factory=dict, repr=False)
 
     @property
     def triton(self) -> Callable | None:
@@ -109,7 +110,13 @@ class Op:
 
     def __call__(self, *args, backend: str | None = None):
         device_type = _first_device_type(args)
-        chosen = self.resolve(device_type, backend)
+        # Resolution is cached per (device, request, environment): the optimizers call every
+        # step, and resolving costs more than a small kernel.
+        key = (device_type, backend, os.environ.get("MPFUSED_BACKEND"),
+               os.environ.get("TRITON_INTERPRET"))
+        chosen = self._resolved.get(key)
+        if chosen is None:
+            chosen = self._resolved[key] = self.resolve(device_type, backend)
         if chosen == "native":
             return self.overload(*args)
         if chosen == "triton":
