@@ -143,43 +143,30 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
       }
       float* __restrict mc = mb[cur] + t0;
       float* __restrict vc = vb[cur] + t0;
-      if (pipe) {  // the previous block is whole, so it covers this tile
-        const float* __restrict mp_ = mb[prv] + t0;
-        const float* __restrict vp_ = vb[prv] + t0;
+      const float* __restrict mp_ = mb[prv] + t0;
+      const float* __restrict vp_ = vb[prv] + t0;
+      // `pipe` is loop-invariant: the compiler emits the loop twice (with and without pass 2).
 #pragma omp simd reduction(max : am1, am2)
-        for (int64_t j = 0; j < tl; ++j) {
-          const int64_t i = o + j;
-          float w = load_weight<T, MODE>(p, master, rem, i);
-          float m = quant8_decode(map1, in1[j], a1);
-          float v = quant8_decode(map2, in2[j], a2);
-          float unused = 0.f;
-          adam_element<false>(w, to_f32(g[i]), m, v, unused, sc);
-          store_weight<T, MODE>(w, p, master, rem, i, seed, tensor, begin + i);
-          mc[j] = m;
-          vc[j] = v;
-          am1 = am1 > fabsf(m) ? am1 : fabsf(m);
-          am2 = am2 > fabsf(v) ? am2 : fabsf(v);
+      for (int64_t j = 0; j < tl; ++j) {
+        const int64_t i = o + j;
+        float w = load_weight<T, MODE>(p, master, rem, i);
+        float m = quant8_decode(map1, in1[j], a1);
+        float v = quant8_decode(map2, in2[j], a2);
+        float unused = 0.f;
+        adam_element<false>(w, to_f32(g[i]), m, v, unused, sc);
+        store_weight<T, MODE>(w, p, master, rem, i, seed, tensor, begin + i);
+        mc[j] = m;
+        vc[j] = v;
+        am1 = am1 > fabsf(m) ? am1 : fabsf(m);
+        am2 = am2 > fabsf(v) ? am2 : fabsf(v);
+        if (pipe)  // the previous block is whole, so it covers this tile
           encode_pair<LUT>(mp_[j], vp_[j], prev_r1, prev_r2, lut1, lut2, thr1, thr2, zc, out1[j], out2[j]);
-        }
+      }
+      if (pipe) {
 #pragma omp simd
         for (int64_t j = 0; j < tl; ++j) {
           c1[prev_b0 + t0 + j] = uint8_t(out1[j]);
           c2[prev_b0 + t0 + j] = uint8_t(out2[j]);
-        }
-      } else {
-#pragma omp simd reduction(max : am1, am2)
-        for (int64_t j = 0; j < tl; ++j) {
-          const int64_t i = o + j;
-          float w = load_weight<T, MODE>(p, master, rem, i);
-          float m = quant8_decode(map1, in1[j], a1);
-          float v = quant8_decode(map2, in2[j], a2);
-          float unused = 0.f;
-          adam_element<false>(w, to_f32(g[i]), m, v, unused, sc);
-          store_weight<T, MODE>(w, p, master, rem, i, seed, tensor, begin + i);
-          mc[j] = m;
-          vc[j] = v;
-          am1 = am1 > fabsf(m) ? am1 : fabsf(m);
-          am2 = am2 > fabsf(v) ? am2 : fabsf(v);
         }
       }
     }
