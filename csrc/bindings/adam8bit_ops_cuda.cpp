@@ -65,21 +65,8 @@ void adam8bit_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
     lists.dtype = packed.dtype.data();
     lists.size = int64_t(packed.numel.size());
     cuda::Adam8bitConfig cfg{};
-    cfg.lr = lr_arg.value;
-    cfg.lr_ptr =
-        lr_arg.device_tensor.defined() ? lr_arg.device_tensor.data_ptr<float>() : nullptr;
-    cfg.beta1 = beta1;
-    cfg.beta2 = beta2;
-    cfg.eps = float(eps);
-    cfg.weight_decay = float(weight_decay);
-    cfg.grad_scale = grad_scale ? grad_scale->data_ptr<float>() : nullptr;
-    cfg.found_inf = found_inf ? found_inf->data_ptr<float>() : nullptr;
-    cfg.norm_sq = norm_sq ? norm_sq->data_ptr<float>() : nullptr;
-    cfg.max_grad_norm = max_grad_norm;
-    cfg.maximize = maximize;
-    cfg.decoupled = decoupled;
-    cfg.master_mode = int32_t(master_mode);
-    cfg.seed = uint64_t(seed);
+    fill_adam_config(cfg, lr_arg, beta1, beta2, eps, weight_decay, grad_scale, found_inf, norm_sq,
+                     max_grad_norm, maximize, decoupled, master_mode, seed);
     cfg.block_size = block_size;
     cfg.map1 = qmap1.data_ptr<float>();
     cfg.map2 = qmap2.data_ptr<float>();

@@ -52,22 +52,9 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
     lists.dtype = packed.dtype.data();
     lists.size = int64_t(packed.numel.size());
     cuda::AdamConfig cfg{};
-    cfg.lr = lr_arg.value;
-    cfg.lr_ptr =
-        lr_arg.device_tensor.defined() ? lr_arg.device_tensor.data_ptr<float>() : nullptr;
-    cfg.beta1 = beta1;
-    cfg.beta2 = beta2;
-    cfg.eps = float(eps);
-    cfg.weight_decay = float(weight_decay);
-    cfg.grad_scale = grad_scale ? grad_scale->data_ptr<float>() : nullptr;
-    cfg.found_inf = found_inf ? found_inf->data_ptr<float>() : nullptr;
-    cfg.norm_sq = norm_sq ? norm_sq->data_ptr<float>() : nullptr;
-    cfg.max_grad_norm = max_grad_norm;
+    fill_adam_config(cfg, lr_arg, beta1, beta2, eps, weight_decay, grad_scale, found_inf, norm_sq,
+                     max_grad_norm, maximize, decoupled, master_mode, seed);
     cfg.amsgrad = amsgrad;
-    cfg.maximize = maximize;
-    cfg.decoupled = decoupled;
-    cfg.master_mode = int32_t(master_mode);
-    cfg.seed = uint64_t(seed);
     C10_CUDA_CHECK(cuda::adam_step(lists, cfg, stream));
     packed.finish();  // staged copies hold the original values on a skipped step: no-op writes
   }

@@ -204,6 +204,30 @@ inline LrArg resolve_lr(double lr, const std::optional<at::Tensor>& lr_tensor,
   return out;
 }
 
+// The scalars and device pointers that every CUDA Adam config (fp32 and 8-bit state) takes
+// from the op's arguments: one filling, whatever the config struct.
+template <typename Config>
+void fill_adam_config(Config& cfg, const LrArg& lr_arg, double beta1, double beta2, double eps,
+                      double weight_decay, const std::optional<at::Tensor>& grad_scale,
+                      const std::optional<at::Tensor>& found_inf,
+                      const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
+                      bool maximize, bool decoupled, int64_t master_mode, int64_t seed) {
+  cfg.lr = lr_arg.value;
+  cfg.lr_ptr = lr_arg.device_tensor.defined() ? lr_arg.device_tensor.data_ptr<float>() : nullptr;
+  cfg.beta1 = beta1;
+  cfg.beta2 = beta2;
+  cfg.eps = float(eps);
+  cfg.weight_decay = float(weight_decay);
+  cfg.grad_scale = grad_scale ? grad_scale->data_ptr<float>() : nullptr;
+  cfg.found_inf = found_inf ? found_inf->data_ptr<float>() : nullptr;
+  cfg.norm_sq = norm_sq ? norm_sq->data_ptr<float>() : nullptr;
+  cfg.max_grad_norm = max_grad_norm;
+  cfg.maximize = maximize;
+  cfg.decoupled = decoupled;
+  cfg.master_mode = int32_t(master_mode);
+  cfg.seed = uint64_t(seed);
+}
+
 // Arguments of update_scale_ (every backend).
 inline void check_update_scale_args(const at::Tensor& scale, const at::Tensor& growth_tracker,
                                     const at::Tensor& hysteresis_tracker,
