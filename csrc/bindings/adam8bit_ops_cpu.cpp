@@ -39,26 +39,19 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
     if (q1[i] == 0.f && !std::signbit(q1[i])) zero_code = i;
   TORCH_CHECK(zero_code > 0, "mpfused: qmap1 must hold +0.0 above its lowest entry");
   // Skip on found_inf > 0: nothing is touched, step counters included. CPU tensors: no sync.
-  if (found_inf && found_inf->item<float>() > 0.f) return;
-
-  float grad_mult = grad_scale ? 1.f / grad_scale->item<float>() : 1.f;
-  if (norm_sq && max_grad_norm > 0) {
-    const double norm = std::sqrt(double(norm_sq->item<float>()));
-    grad_mult *= float(std::min(1.0, max_grad_norm / (norm + 1e-6)));
-  }
+  const std::optional<float> grad_mult = cpu_grad_mult(grad_scale, found_inf, norm_sq, max_grad_norm);
+  if (!grad_mult) return;
   const bool has_master = master_mode == kFp32Master || master_mode == kRemainder;
   // Codes follow the logical (row-major) order, so every operand is used contiguous.
   PackedLists<5> packed({params, grads, exp_avgs, exp_avg_sqs,
                          has_master ? masters : at::TensorList()},
                         {true, false, true, true, true}, "params", /*require_logical_order=*/true);
   std::vector<void*> am1(packed.index.size()), am2(packed.index.size());
-  std::vector<double> t(packed.index.size());
-  for (size_t j = 0; j < t.size(); ++j) {
-    const int64_t i = packed.index[j];
-    am1[j] = absmax1s[i].data_ptr();
-    am2[j] = absmax2s[i].data_ptr();
-    t[j] = steps[i].item<double>() + 1.0;
+  for (size_t j = 0; j < am1.size(); ++j) {
+    am1[j] = absmax1s[packed.index[j]].data_ptr();
+    am2[j] = absmax2s[packed.index[j]].data_ptr();
   }
+  const std::vector<double> t = cpu_next_steps(steps, packed.index);
   TensorLists<7> lists{};
   const TensorLists<5> v = packed.view();
   for (int k = 0; k < 5; ++k) lists.data[k] = v.data[k];
@@ -68,12 +61,12 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
   lists.dtype = v.dtype;
   lists.size = v.size;
   cpu::Adam8bitConfig cfg{float(lr_tensor ? lr_tensor->item<double>() : lr), beta1, beta2,
-                          float(eps), float(weight_decay), grad_mult, maximize,
+                          float(eps), float(weight_decay), *grad_mult, maximize,
                           decoupled, int32_t(master_mode), uint64_t(seed), block_size, q1,
                           qmap2.data_ptr<float>(), int32_t(zero_code)};
   cpu::adam8bit_step(lists, t.data(), cfg, at::get_num_threads());
   packed.finish();
-  for (const at::Tensor& s : steps) s.add_(1);
+  cpu_advance_steps(steps);
 }
 
 }  // namespace

@@ -19,13 +19,8 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
   check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, amsgrad,
                   master_mode, grad_scale, found_inf, norm_sq);
   // Skip on found_inf > 0: nothing is touched, step counters included. CPU tensors: no sync.
-  if (found_inf && found_inf->item<float>() > 0.f) return;
-
-  float grad_mult = grad_scale ? 1.f / grad_scale->item<float>() : 1.f;
-  if (norm_sq && max_grad_norm > 0) {
-    const double norm = std::sqrt(double(norm_sq->item<float>()));
-    grad_mult *= float(std::min(1.0, max_grad_norm / (norm + 1e-6)));
-  }
+  const std::optional<float> grad_mult = cpu_grad_mult(grad_scale, found_inf, norm_sq, max_grad_norm);
+  if (!grad_mult) return;
   const bool has_master = master_mode == kFp32Master || master_mode == kRemainder;
   PackedLists<6> packed({params, grads, exp_avgs, exp_avg_sqs,
                          amsgrad ? max_exp_avg_sqs : at::TensorList(),
@@ -33,14 +28,13 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
                         {true, false, true, true, true, true}, "params",
                         /*require_logical_order=*/master_mode == kStochastic);  // the SR stream
                                                   // is indexed in logical (row-major) order
-  std::vector<double> t(packed.index.size());
-  for (size_t j = 0; j < t.size(); ++j) t[j] = steps[packed.index[j]].item<double>() + 1.0;
+  const std::vector<double> t = cpu_next_steps(steps, packed.index);
   cpu::AdamConfig cfg{float(lr_tensor ? lr_tensor->item<double>() : lr), beta1, beta2,
-                      float(eps), float(weight_decay), grad_mult, amsgrad,
+                      float(eps), float(weight_decay), *grad_mult, amsgrad,
                       maximize, decoupled, int32_t(master_mode), uint64_t(seed)};
   cpu::adam_step(packed.view(), t.data(), cfg, at::get_num_threads());
   packed.finish();
-  for (const at::Tensor& s : steps) s.add_(1);
+  cpu_advance_steps(steps);
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <tuple>
 
 #include "mpfused/quant8_math.h"
 #include "parallel.h"
@@ -27,24 +28,25 @@ constexpr int64_t kMaxBlock = 4096;
 constexpr int64_t kTile = 256;
 static_assert(kChunkSize % kMaxBlock == 0, "chunks must hold whole quantization blocks");
 
-// Encoding tables and thresholds per map, built once per distinct map (a few tens of
-// microseconds) and kept: a step only compares the 1 KB map with the cached ones.
+// Encoding tables and thresholds per map, built once per distinct (map, sign rule) (about 2 ms)
+// and kept: a step only compares the 1 KB map with the cached ones.
 struct Encoder {
-  Quant8Lut lut;
+  Quant8Lut lut;           // with the first moment's sign rule when zero_code >= 0
   float thr[kQuantCodes];  // binary-search thresholds: the fallback when a LUT is not exact
 };
 
-const Encoder& encoder_for(const float* map) {
+const Encoder& encoder_for(const float* map, int32_t zero_code) {
   static std::mutex mu;
-  static std::vector<std::pair<std::vector<float>, std::unique_ptr<Encoder>>> cache;
+  static std::vector<std::tuple<std::vector<float>, int32_t, std::unique_ptr<Encoder>>> cache;
   std::lock_guard<std::mutex> lock(mu);
-  for (auto& [key, enc] : cache)
-    if (std::memcmp(key.data(), map, sizeof(float) * kQuantCodes) == 0) return *enc;
+  for (auto& [key, zc, enc] : cache)
+    if (zc == zero_code && std::memcmp(key.data(), map, sizeof(float) * kQuantCodes) == 0)
+      return *enc;
   auto enc = std::make_unique<Encoder>();
-  quant8_build_lut(map, enc->lut);
+  quant8_build_lut(map, enc->lut, zero_code);
   quant8_thresholds(map, enc->thr);
-  cache.emplace_back(std::vector<float>(map, map + kQuantCodes), std::move(enc));
-  return *cache.back().second;
+  cache.emplace_back(std::vector<float>(map, map + kQuantCodes), zero_code, std::move(enc));
+  return *std::get<2>(cache.back());
 }
 
 struct Maps {
@@ -57,26 +59,25 @@ struct Maps {
 
 // Requantization of one element (pass 2): the nearest code of x = s * (1 / absmax).
 template <bool LUT>
-MPF_HD void encode_pair(float m, float v, float r1, float r2, const int32_t* __restrict lut1,
-                        const int32_t* __restrict lut2, const float* __restrict thr1,
+MPF_HD void encode_pair(float m, float v, float r1, float r2, const uint32_t* __restrict lut1,
+                        const uint32_t* __restrict lut2, const float* __restrict thr1,
                         const float* __restrict thr2, int32_t zc, int32_t& q1, int32_t& q2) {
   const float x1 = m * r1;
   const float x2 = v * r2;
   if constexpr (LUT) {
-    q1 = quant8_encode_lut(lut1, x1);
+    q1 = quant8_encode_lut(lut1, x1);  // the sign rule is in the first moment's table
     q2 = quant8_encode_lut(lut2, x2);
   } else {
-    q1 = quant8_encode(thr1, x1);
+    q1 = quant8_keep_negative(quant8_encode(thr1, x1), m, zc);
     q2 = quant8_encode(thr2, x2);
   }
-  q1 = quant8_keep_negative(q1, m, zc);
 }
 
 // Pass 2 alone over elements [from, to) of one block (moments in mb/vb, codes at c1/c2).
 template <bool LUT>
 MPF_HD void requantize(const float* __restrict mb, const float* __restrict vb, uint8_t* __restrict c1,
                        uint8_t* __restrict c2, int64_t from, int64_t to, float r1, float r2,
-                       const int32_t* __restrict lut1, const int32_t* __restrict lut2,
+                       const uint32_t* __restrict lut1, const uint32_t* __restrict lut2,
                        const float* __restrict thr1, const float* __restrict thr2, int32_t zc) {
   alignas(64) int32_t out1[kTile], out2[kTile];
   for (int64_t t0 = from; t0 < to; t0 += kTile) {
@@ -114,8 +115,8 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
   const int32_t zc = mp.zero_code1;
   const float* __restrict thr1 = mp.enc1->thr;
   const float* __restrict thr2 = mp.enc2->thr;
-  const int32_t* __restrict lut1 = mp.enc1->lut.lut;
-  const int32_t* __restrict lut2 = mp.enc2->lut.lut;
+  const uint32_t* __restrict lut1 = mp.enc1->lut.center();
+  const uint32_t* __restrict lut2 = mp.enc2->lut.center();
   const AdamScalars sc = s;  // a local copy: the stores below cannot alias it
   // Codes are widened to / narrowed from int32 in tiles so that the table lookups are 32-bit
   // gathers (compilers emulate gathers with 8-bit indices element by element).
@@ -231,7 +232,8 @@ ChunkFn pick_kernel(int32_t dtype, int mode, bool lut) {
 void adam8bit_step(const TensorLists<7>& t, const double* step, const Adam8bitConfig& c,
                    int num_threads) {
   if (t.size == 0) return;
-  const Maps mp{c.map1, c.map2, &encoder_for(c.map1), &encoder_for(c.map2), c.zero_code1};
+  const Maps mp{c.map1, c.map2, &encoder_for(c.map1, c.zero_code1), &encoder_for(c.map2, -1),
+                c.zero_code1};
   const bool lut = mp.enc1->lut.exact && mp.enc2->lut.exact;
   const std::vector<Chunk> chunks = make_chunks(t.numel, t.size);  // block-aligned (static_assert)
   std::vector<AdamScalars> scalars(size_t(t.size));

@@ -71,68 +71,63 @@ MPF_HD int32_t quant8_keep_negative(int32_t code, float m, int32_t zero_code) {
 }
 
 // ---- table-driven encode (CPU fast path, same result as quant8_encode) -------------------------
-// Bins of the float32 bit pattern with 7 mantissa bits (bf16 resolution) over |x| in [2^-24, 1],
-// one table per map. A bin holds at most one threshold (checked when the table is built), so an
-// entry packs the code of the bin's lowest value and where in the bin the next code starts: the
-// low 16 bits of that threshold, as a key increasing with x (0xFFFF: nowhere). One table load per
-// value instead of 8 dependent ones. |x| below 2^-24 / above 1 encodes like +-2^-24 / +-1 (also
-// checked).
+// One table entry per bin of the float32 bit pattern: bin = bits >> 16 (sign, exponent and 7
+// mantissa bits, i.e. the bf16 pattern), key = bits & 0xFFFF (the position in the bin; x moves
+// monotonically with the key inside a bin, up for positive bins, down for negative ones). Codes
+// are monotonic in x, so a bin whose codes differ by at most one holds one cut: the entry packs
+//     [ code if key > cut : 8 | code otherwise : 8 | cut : 16 ]
+// (cut 0xFFFF: one code for the whole bin). One table load and four integer operations per value
+// instead of eight dependent loads; every float32 (NaN and inf included) encodes as
+// quant8_encode would, which the builder checks bin by bin.
 struct Quant8Lut {
-  static constexpr uint32_t kLo = 0x33800000u;  // 2^-24
-  static constexpr uint32_t kHi = 0x3F800000u;  // 1.0
-  static constexpr int kShift = 16;
-  static constexpr int kHalf = int((kHi - kLo) >> kShift) + 1;  // bins per sign
-  int32_t lut[2 * kHalf];  // (cutoff16 << 8) | code
-  bool exact;              // false: the map does not fit the bins; use quant8_encode
+  static constexpr int kBins = 1 << 16;
+  uint32_t lut[kBins];  // bin b at b ^ 0x8000 (the negative bins first)
+  const uint32_t* center() const { return lut + kBins / 2; }
+  bool exact;  // false: some bin spans more than two codes; use quant8_encode
 };
 
-// |x| clamped to [2^-24, 1] as bits (a), its bin (increasing with x) and its key within the bin.
-MPF_HD int32_t quant8_lut_entry_index(float x, int32_t& key) {
+// `center` = lut + 32768: the entries are indexed by the signed top half of the bits, which x86
+// compilers turn into a hardware gather (an index they can prove non-negative they do not).
+MPF_HD int32_t quant8_encode_lut(const uint32_t* center, float x) {
   const uint32_t u = f32_bits(x);
-  const uint32_t neg = u >> 31;
-  uint32_t a = u & 0x7FFFFFFFu;
-  a = a < Quant8Lut::kLo ? Quant8Lut::kLo : a;
-  a = a > Quant8Lut::kHi ? Quant8Lut::kHi : a;  // NaN too: the kernels never feed NaN here
-  key = int32_t((a & 0xFFFFu) ^ (neg ? 0xFFFFu : 0u));
-  const int32_t m = int32_t((a - Quant8Lut::kLo) >> Quant8Lut::kShift);
-  return neg ? Quant8Lut::kHalf - 1 - m : Quant8Lut::kHalf + m;
+  const uint32_t e = center[int32_t(u) >> 16];
+  const uint32_t shift = (u << 16) > (e << 16) ? 24u : 16u;  // which of the two codes
+  return int32_t((e >> shift) & 0xFFu);
 }
 
-MPF_HD int32_t quant8_encode_lut(const int32_t* lut, float x) {
-  int32_t key;
-  const int32_t e = lut[quant8_lut_entry_index(x, key)];
-  return (e & 0xFF) + (key > (e >> 8) ? 1 : 0);
-}
-
-// Host: fills the table for `map` (sorted); `exact` says it reproduces quant8_encode exactly.
-inline void quant8_build_lut(const float* map, Quant8Lut& t) {
+// Host: fills the table for `map` (sorted) and says whether it reproduces quant8_encode exactly.
+// With `negative_zero_code` >= 0 (the first moment's map) the table also applies
+// quant8_keep_negative: x = m * (1 / absmax) has m's sign, so the negative bins (sign bit set,
+// -0 included) store zero_code - 1 where the nearest code is zero_code.
+inline void quant8_build_lut(const float* map, Quant8Lut& t, int32_t negative_zero_code = -1) {
   float thr[kQuantCodes];
   quant8_thresholds(map, thr);
-  const float lo_mag = bits_f32(Quant8Lut::kLo);
-  bool ok = thr[0] >= -1.f && thr[kQuantCodes - 2] < 1.f;
-  for (int i = 0; i + 1 < kQuantCodes; ++i)  // nothing to decide between -2^-24 and +2^-24
-    ok = ok && !(thr[i] >= -lo_mag && thr[i] < lo_mag);
-  for (int b = 0; b < 2 * Quant8Lut::kHalf; ++b) {
-    const bool neg = b < Quant8Lut::kHalf;
-    const uint32_t m = uint32_t(neg ? Quant8Lut::kHalf - 1 - b : b - Quant8Lut::kHalf);
-    const uint32_t a0 = Quant8Lut::kLo + (m << Quant8Lut::kShift);
-    const uint32_t top = a0 + ((1u << Quant8Lut::kShift) - 1u);
-    const uint32_t a1 = top < Quant8Lut::kHi ? top : Quant8Lut::kHi;
-    const float lo = neg ? -bits_f32(a1) : bits_f32(a0);
-    const float hi = neg ? -bits_f32(a0) : bits_f32(a1);
-    const int32_t c = quant8_encode(thr, lo);
-    const int32_t c_hi = quant8_encode(thr, hi);
-    int32_t cutoff = 0xFFFF;
-    if (c_hi == c + 1) {  // thr[c] lies in [lo, hi): same high bits, compare the low 16
-      const uint32_t at = f32_bits(thr[c]) & 0x7FFFFFFFu;
-      ok = ok && (at >> Quant8Lut::kShift) == (a0 >> Quant8Lut::kShift) && (f32_bits(thr[c]) >> 31) == (neg ? 1u : 0u);
-      cutoff = int32_t((at & 0xFFFFu) ^ (neg ? 0xFFFFu : 0u));
-    } else {
-      ok = ok && c_hi == c;
+  t.exact = true;
+  for (uint32_t bin = 0; bin < uint32_t(Quant8Lut::kBins); ++bin) {
+    const uint32_t base = bin << 16;
+    const int32_t c0 = quant8_encode(thr, bits_f32(base));
+    const int32_t c1 = quant8_encode(thr, bits_f32(base | 0xFFFFu));
+    uint32_t cut = 0xFFFFu;
+    if (c0 != c1) {
+      // Codes are monotonic in x: a finite bin spanning two codes has one cut. The inf bins are
+      // inf at key 0 and NaN (code 0) above: one cut too.
+      const bool inf_bin = (bin & 0x7F80u) == 0x7F80u;
+      t.exact = t.exact && (inf_bin || c1 - c0 == 1 || c0 - c1 == 1);
+      uint32_t lo = 1, hi = 0xFFFFu;  // the first key with code c1 (the code at key 0 is c0)
+      while (lo < hi) {
+        const uint32_t mid = (lo + hi) / 2;
+        if (quant8_encode(thr, bits_f32(base | mid)) == c1) hi = mid;
+        else lo = mid + 1;
+      }
+      cut = lo - 1;
     }
-    t.lut[b] = (cutoff << 8) | c;
+    int32_t d0 = c0, d1 = c1;
+    if (negative_zero_code >= 0 && (bin & 0x8000u) != 0) {
+      d0 = d0 == negative_zero_code ? d0 - 1 : d0;
+      d1 = d1 == negative_zero_code ? d1 - 1 : d1;
+    }
+    t.lut[bin ^ 0x8000u] = (uint32_t(d1) << 24) | (uint32_t(d0) << 16) | cut;  // see center
   }
-  t.exact = ok;
 }
 
 }  // namespace mpfused
