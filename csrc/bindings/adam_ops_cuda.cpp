@@ -8,6 +8,7 @@
 
 #include "../cuda/adam_cuda.h"
 #include "common.h"
+#include "cuda_steps.h"
 
 namespace mpfused::bind {
 namespace {
@@ -58,13 +59,7 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
     C10_CUDA_CHECK(cuda::adam_step(lists, cfg, stream));
     packed.finish();  // staged copies hold the original values on a skipped step: no-op writes
   }
-  // Every counter advances (empty params included, as on the CPU), unless found_inf > 0.
-  std::vector<float*> all_steps;
-  all_steps.reserve(steps.size());
-  for (const at::Tensor& s : steps) all_steps.push_back(s.data_ptr<float>());
-  C10_CUDA_CHECK(cuda::increment_steps(all_steps.data(), int64_t(all_steps.size()),
-                                       found_inf ? found_inf->data_ptr<float>() : nullptr,
-                                       stream));
+  advance_steps_cuda(steps, found_inf, stream);
 }
 
 }  // namespace

@@ -1,0 +1,25 @@
+// Step counters of the CUDA Adam bindings (fp32 and 8-bit state): one launch advances them all.
+#pragma once
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAException.h>
+
+#include <optional>
+#include <vector>
+
+#include "../cuda/adam_cuda.h"
+
+namespace mpfused::bind {
+
+// Every counter advances (empty params included, as on the CPU), unless found_inf > 0: read on
+// the device, so no sync and capturable.
+inline void advance_steps_cuda(at::TensorList steps, const std::optional<at::Tensor>& found_inf,
+                               cudaStream_t stream) {
+  std::vector<float*> all_steps;
+  all_steps.reserve(steps.size());
+  for (const at::Tensor& s : steps) all_steps.push_back(s.data_ptr<float>());
+  C10_CUDA_CHECK(cuda::increment_steps(all_steps.data(), int64_t(all_steps.size()),
+                                       found_inf ? found_inf->data_ptr<float>() : nullptr,
+                                       stream));
+}
+
+}  // namespace mpfused::bind
