@@ -405,3 +405,52 @@ def test_training_parity_with_32bit(one_thread):
     got, opt = run(mpfused.AdamW8bit)
     assert sum(s["exp_avg"].dtype == torch.uint8 for s in opt.state.values()) == 2
     assert abs(got - ref) <= 0.01 * ref, (got, ref)
+
+
+_ISA_SCRIPT = r"""
+import hashlib, sys, torch
+from mpfused import quant_maps as qm
+from mpfused.ops import adam8bit as ops
+seed = int(sys.argv[1])
+gen = torch.Generator().manual_seed(seed)
+h = hashlib.sha256()
+# every dtype / master mode; sizes with partial tiles and blocks, and a multi-chunk tensor
+for dtype, mode in [(torch.float32, 0), (torch.float16, 1), (torch.bfloat16, 2), (torch.bfloat16, 3)]:
+    sizes = [1, 63, 64, 65, 1000, 70001]
+    ps = [(torch.randn(n, generator=gen) * 0.1).to(dtype) for n in sizes]
+    c1s, c2s, a1s, a2s = [], [], [], []
+    for n in sizes:
+        c1, a1 = qm.quantize_blockwise(torch.randn(n, generator=gen) * 1e-3, qm.signed_map(), 256)
+        c2, a2 = qm.quantize_blockwise(torch.rand(n, generator=gen) * 1e-5, qm.unsigned_map(), 256)
+        c1s.append(c1), c2s.append(c2), a1s.append(a1), a2s.append(a2)
+    masters = ([p.float() + 1e-5 for p in ps] if mode == 1 else
+               [torch.randint(-2**15, 2**15, (n,), generator=gen, dtype=torch.int16) for n in sizes]
+               if mode == 2 else [])
+    steps = [torch.zeros(()) for _ in sizes]
+    for _ in range(3):
+        grads = [(torch.randn(n, generator=gen) * 1e-2).to(dtype) for n in sizes]
+        ops.adam8bit_step_(ps, grads, c1s, c2s, a1s, a2s, masters, steps, qm.signed_map(),
+                           qm.unsigned_map(), 256, 1e-3, None, 0.9, 0.999, 1e-8, 1e-2, False,
+                           True, mode, backend="native")
+    for t in ps + c1s + c2s + a1s + a2s + masters:
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+print(h.hexdigest())
+"""
+
+
+@pytest.mark.skipif(not mpfused.ops.OPS[OP_UNDER_TEST].native_available("cpu"),
+                    reason="no native extension")
+def test_every_cpu_isa_build_is_bit_identical():
+    """The 8-bit CPU kernel is built per ISA (baseline, x86-64-v3, v4, v4 + VBMI byte-permute
+    decode); MPFUSED_CPU_ISA caps the one picked. Every build must give the same bytes."""
+    import os
+    import subprocess
+    import sys
+    seed = str(int(torch.randint(0, 2**31, ()).item()))
+    digests = {}
+    for isa in ("base", "v3", "v4", "vbmi"):
+        env = dict(os.environ, MPFUSED_CPU_ISA=isa)
+        out = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, seed], env=env, check=True,
+                             capture_output=True, text=True)
+        digests[isa] = out.stdout.strip()
+    assert len(set(digests.values())) == 1, digests

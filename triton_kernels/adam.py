@@ -66,7 +66,9 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, step_ptr, lr_
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
 
-    g = g * gm + l2 * w
+    g = g * gm
+    if not DECOUPLED:  # Adam's L2 term (when nonzero); AdamW leaves g as it is, like torch
+        g = tl.where(l2 != 0.0, g + l2 * w, g)
     w = w - decay * w
     m = m + one_m_b1 * (g - m)
     v = b2 * v + one_m_b2 * (g * g)

@@ -66,7 +66,9 @@ def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_p
     c2 = tl.load(c2_ptr + offs, mask=mask, other=0).to(tl.int32)
     m = tl.load(map1_ptr + c1) * tl.load(a1_ptr + pid)
     v = tl.load(map2_ptr + c2) * tl.load(a2_ptr + pid)
-    g = g * gm + l2 * w
+    g = g * gm
+    if not DECOUPLED:  # Adam's L2 term (when nonzero); AdamW leaves g as it is, like torch
+        g = tl.where(l2 != 0.0, g + l2 * w, g)
     w = w - decay * w
     m = m + (1.0 - b1) * (g - m)
     v = b2 * v + (1.0 - b2) * (g * g)

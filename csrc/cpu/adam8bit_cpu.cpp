@@ -2,10 +2,13 @@
 
 #include <omp.h>
 
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <tuple>
+#include <type_traits>
 
 #include "mpfused/quant8_math.h"
 #include "parallel.h"
@@ -17,6 +20,9 @@
 #define MPF_8BIT_ISAS 1
 #define MPF_8BIT_V4 __attribute__((target("arch=x86-64-v4,tune=icelake-server,prefer-vector-width=512")))
 #define MPF_8BIT_V3 __attribute__((target("arch=x86-64-v3,tune=haswell")))
+// v4 + AVX512-VBMI (Ice Lake and later): decodes codes with in-register byte permutes.
+#define MPF_8BIT_VBMI __attribute__((target("arch=x86-64-v4,avx512vbmi,tune=icelake-server,prefer-vector-width=512")))
+#include <immintrin.h>
 #else
 #define MPF_8BIT_ISAS 0
 #endif
@@ -33,6 +39,9 @@ static_assert(kChunkSize % kMaxBlock == 0, "chunks must hold whole quantization 
 struct Encoder {
   Quant8Lut lut;           // with the first moment's sign rule when zero_code >= 0
   float thr[kQuantCodes];  // binary-search thresholds: the fallback when a LUT is not exact
+  // The map as four byte planes (plane k = byte k of every entry's bit pattern): the decode
+  // table of the VBMI path, 4 x 256 bytes = 16 zmm registers.
+  alignas(64) uint8_t planes[4][kQuantCodes];
 };
 
 const Encoder& encoder_for(const float* map, int32_t zero_code) {
@@ -45,6 +54,8 @@ const Encoder& encoder_for(const float* map, int32_t zero_code) {
   auto enc = std::make_unique<Encoder>();
   quant8_build_lut(map, enc->lut, zero_code);
   quant8_thresholds(map, enc->thr);
+  for (int i = 0; i < kQuantCodes; ++i)
+    for (int k = 0; k < 4; ++k) enc->planes[k][i] = uint8_t(f32_bits(map[i]) >> (8 * k));
   cache.emplace_back(std::vector<float>(map, map + kQuantCodes), zero_code, std::move(enc));
   return *std::get<2>(cache.back());
 }
@@ -57,6 +68,52 @@ struct Maps {
   int32_t zero_code1;
 };
 
+#if MPF_8BIT_ISAS
+// Byte position 16L + 4q + r (lane L, slot r of output vector q) takes code 16q + 4L + r: the
+// order in which decode_tile_vbmi's per-lane interleave leaves the floats in order.
+struct DecodePerm {
+  alignas(64) uint8_t b[64];
+};
+constexpr DecodePerm make_decode_perm() {
+  DecodePerm p{};
+  for (int L = 0; L < 4; ++L)
+    for (int q = 0; q < 4; ++q)
+      for (int r = 0; r < 4; ++r) p.b[16 * L + 4 * q + r] = uint8_t(16 * q + 4 * L + r);
+  return p;
+}
+constexpr DecodePerm kDecodePerm = make_decode_perm();
+
+// out[j] = map[codes[j]] for j < n without gathers (bit-identical to quant8_decode's lookup):
+// for 64 codes at a time, each byte plane of the map is looked up with two 128-entry byte
+// permutes (vpermi2b) blended on the code's top bit, and the four planes are interleaved into
+// floats. The codes are first permuted so that the interleave (which works per 128-bit lane)
+// leaves the floats in order. Gathers cost one load per element; this costs none.
+MPF_8BIT_VBMI void decode_tile_vbmi(const uint8_t (*planes)[kQuantCodes], const float* map,
+                                    const uint8_t* __restrict codes, float* __restrict out,
+                                    int64_t n) {
+  __m512i t[4][4];
+  for (int k = 0; k < 4; ++k)
+    for (int q = 0; q < 4; ++q) t[k][q] = _mm512_load_si512(planes[k] + 64 * q);
+  const __m512i perm = _mm512_load_si512(kDecodePerm.b);
+  int64_t j = 0;
+  for (; j + 64 <= n; j += 64) {
+    const __m512i c = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(codes + j));
+    const __mmask64 upper = _mm512_movepi8_mask(c);  // codes 128..255
+    __m512i b[4];
+    for (int k = 0; k < 4; ++k)
+      b[k] = _mm512_mask_blend_epi8(upper, _mm512_permutex2var_epi8(t[k][0], c, t[k][1]),
+                                    _mm512_permutex2var_epi8(t[k][2], c, t[k][3]));
+    const __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
+    _mm512_store_si512(out + j, _mm512_unpacklo_epi16(lo01, lo23));
+    _mm512_store_si512(out + j + 16, _mm512_unpackhi_epi16(lo01, lo23));
+    _mm512_store_si512(out + j + 32, _mm512_unpacklo_epi16(hi01, hi23));
+    _mm512_store_si512(out + j + 48, _mm512_unpackhi_epi16(hi01, hi23));
+  }
+  for (; j < n; ++j) out[j] = map[codes[j]];
+}
+#endif
+
 // Requantization of one element (pass 2): the nearest code of x = s * (1 / absmax).
 template <bool LUT>
 MPF_HD void encode_pair(float m, float v, float r1, float r2, const uint32_t* __restrict lut1,
@@ -65,8 +122,9 @@ MPF_HD void encode_pair(float m, float v, float r1, float r2, const uint32_t* __
   const float x1 = m * r1;
   const float x2 = v * r2;
   if constexpr (LUT) {
-    q1 = quant8_encode_lut(lut1, x1);  // the sign rule is in the first moment's table
-    q2 = quant8_encode_lut(lut2, x2);
+    // The sign rule is in the first moment's table. Codes in the low byte: stored as uint8.
+    q1 = int32_t(quant8_encode_lut_word(lut1, x1));
+    q2 = int32_t(quant8_encode_lut_word(lut2, x2));
   } else {
     q1 = quant8_keep_negative(quant8_encode(thr1, x1), m, zc);
     q2 = quant8_encode(thr2, x2);
@@ -99,7 +157,7 @@ MPF_HD void requantize(const float* __restrict mb, const float* __restrict vb, u
 // Software-pipelined by one block: pass 2 of block b-1 runs in the same loop as pass 1 of block b.
 // Pass 1 waits on the divider (two divisions and a square root per element), pass 2 on table
 // gathers; interleaved, each hides the other (about 1.3x faster than the two passes in turn).
-template <typename T, int MODE, bool LUT>
+template <typename T, int MODE, bool LUT, bool VBMI = false>
 MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t block,
                            const AdamScalars& s, const Maps& mp, uint64_t seed, int64_t tensor) {
   T* __restrict p = static_cast<T*>(ops[kQParam]) + begin;
@@ -123,6 +181,7 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
   alignas(64) float mb[2][kMaxBlock];  // updated moments of the current and the previous block
   alignas(64) float vb[2][kMaxBlock];
   alignas(64) int32_t in1[kTile], in2[kTile], out1[kTile], out2[kTile];
+  alignas(64) float d1[kTile], d2[kTile];  // VBMI: the decoded map entries
 
   int64_t prev_b0 = -1, prev_len = 0;
   float prev_r1 = 0.f, prev_r2 = 0.f;
@@ -137,32 +196,49 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
     for (int64_t t0 = 0; t0 < len; t0 += kTile) {
       const int64_t tl = len - t0 < kTile ? len - t0 : kTile;
       const int64_t o = b0 + t0;
+      if constexpr (VBMI) {
+#if MPF_8BIT_ISAS
+        decode_tile_vbmi(mp.enc1->planes, map1, c1 + o, d1, tl);
+        decode_tile_vbmi(mp.enc2->planes, map2, c2 + o, d2, tl);
+#endif
+      } else {
 #pragma omp simd
-      for (int64_t j = 0; j < tl; ++j) {
-        in1[j] = c1[o + j];
-        in2[j] = c2[o + j];
+        for (int64_t j = 0; j < tl; ++j) {
+          in1[j] = c1[o + j];
+          in2[j] = c2[o + j];
+        }
       }
       float* __restrict mc = mb[cur] + t0;
       float* __restrict vc = vb[cur] + t0;
       const float* __restrict mp_ = mb[prv] + t0;
       const float* __restrict vp_ = vb[prv] + t0;
-      // `pipe` is loop-invariant: the compiler emits the loop twice (with and without pass 2).
-#pragma omp simd reduction(max : am1, am2)
-      for (int64_t j = 0; j < tl; ++j) {
-        const int64_t i = o + j;
-        float w = load_weight<T, MODE>(p, master, rem, i);
-        float m = quant8_decode(map1, in1[j], a1);
-        float v = quant8_decode(map2, in2[j], a2);
-        float unused = 0.f;
-        adam_element<false>(w, to_f32(g[i]), m, v, unused, sc);
-        store_weight<T, MODE>(w, p, master, rem, i, seed, tensor, begin + i);
-        mc[j] = m;
-        vc[j] = v;
-        am1 = am1 > fabsf(m) ? am1 : fabsf(m);
-        am2 = am2 > fabsf(v) ? am2 : fabsf(v);
-        if (pipe)  // the previous block is whole, so it covers this tile
-          encode_pair<LUT>(mp_[j], vp_[j], prev_r1, prev_r2, lut1, lut2, thr1, thr2, zc, out1[j], out2[j]);
-      }
+      // The update of this tile, with pass 2 of the previous block over the same positions (the
+      // previous block is whole, so it covers the tile) or without: two loops, so that neither
+      // carries the other's masks.
+      auto update = [&](auto pipe_tag) __attribute__((always_inline)) {
+        constexpr bool PIPE = decltype(pipe_tag)::value;
+        float t1 = am1, t2 = am2;
+#pragma omp simd reduction(max : t1, t2)
+        for (int64_t j = 0; j < tl; ++j) {
+          const int64_t i = o + j;
+          float w = load_weight<T, MODE>(p, master, rem, i);
+          float m = VBMI ? d1[j] * a1 : quant8_decode(map1, in1[j], a1);
+          float v = VBMI ? d2[j] * a2 : quant8_decode(map2, in2[j], a2);
+          float unused = 0.f;
+          adam_element<false>(w, to_f32(g[i]), m, v, unused, sc);
+          store_weight<T, MODE>(w, p, master, rem, i, seed, tensor, begin + i);
+          mc[j] = m;
+          vc[j] = v;
+          t1 = t1 > fabsf(m) ? t1 : fabsf(m);
+          t2 = t2 > fabsf(v) ? t2 : fabsf(v);
+          if constexpr (PIPE)
+            encode_pair<LUT>(mp_[j], vp_[j], prev_r1, prev_r2, lut1, lut2, thr1, thr2, zc, out1[j], out2[j]);
+        }
+        am1 = t1;
+        am2 = t2;
+      };
+      if (pipe) update(std::true_type{});
+      else update(std::false_type{});
       if (pipe) {
 #pragma omp simd
         for (int64_t j = 0; j < tl; ++j) {
@@ -198,6 +274,27 @@ template <typename T, int MODE, bool LUT>
 MPF_8BIT_V3 void chunk_v3(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT>(ops, begin, n, block, s, mp, seed, tensor); }
 template <typename T, int MODE, bool LUT>
 MPF_8BIT_V4 void chunk_v4(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT>(ops, begin, n, block, s, mp, seed, tensor); }
+template <typename T, int MODE, bool LUT>
+MPF_8BIT_VBMI void chunk_vbmi(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT, true>(ops, begin, n, block, s, mp, seed, tensor); }
+#endif
+
+#if MPF_8BIT_ISAS
+// The fastest build this CPU runs: 5 = v4 + VBMI, 4 = x86-64-v4, 3 = x86-64-v3, 0 = baseline.
+// MPFUSED_CPU_ISA=base|v3|v4|vbmi caps it (read once), so that tests can run every build on one
+// machine and compare them bit for bit.
+int isa_level() {
+  static const int level = [] {
+    int l = __builtin_cpu_supports("x86-64-v4") ? (__builtin_cpu_supports("avx512vbmi") ? 5 : 4)
+            : __builtin_cpu_supports("x86-64-v3") ? 3 : 0;
+    if (const char* cap = std::getenv("MPFUSED_CPU_ISA")) {
+      const std::string c(cap);
+      const int want = c == "base" ? 0 : c == "v3" ? 3 : c == "v4" ? 4 : c == "vbmi" ? 5 : l;
+      l = want < l ? want : l;
+    }
+    return l;
+  }();
+  return level;
+}
 #endif
 
 // The table-driven encode on the fastest ISA; maps the tables cannot encode exactly (never the
@@ -206,7 +303,8 @@ template <typename T, int MODE>
 ChunkFn pick_lut(bool lut) {
   if (!lut) return &chunk_base<T, MODE, false>;
 #if MPF_8BIT_ISAS
-  static const int level = __builtin_cpu_supports("x86-64-v4") ? 4 : __builtin_cpu_supports("x86-64-v3") ? 3 : 0;
+  const int level = isa_level();
+  if (level == 5) return &chunk_vbmi<T, MODE, true>;
   if (level == 4) return &chunk_v4<T, MODE, true>;
   if (level == 3) return &chunk_v3<T, MODE, true>;
 #endif

@@ -244,7 +244,10 @@ class AdamW8bit(AdamW):
                 sub = split.setdefault(want, Bucket(indices=[], params=[]))
                 sub.indices.append(i)
                 sub.params.append(p)
-            for want, sub in split.items():
+            # fp32-state (small) params first: the 8-bit bucket's pass over memory evicts the
+            # host-side code and data the next call needs (the small call costs 40 us after it,
+            # 20 us warm, on the 2-core CPU).
+            for want, sub in sorted(split.items(), key=lambda kv: kv[0]):
                 self._fill_bucket(group, sub, want)
                 buckets.append(sub)
         plan = GroupPlan(key=key, buckets=buckets)

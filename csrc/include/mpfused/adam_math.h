@@ -45,7 +45,8 @@ MPF_HD AdamScalars adam_scalars(float lr, double beta1, double beta2, float eps,
 // v = b2*v + (1-b2)*g*g, denom = sqrt(v)/sqrt(1-b2^t) + eps, w -= step_size * m / denom.
 template <bool AMSGRAD>
 MPF_HD void adam_element(float& w, float g, float& m, float& v, float& vmax, const AdamScalars& s) {
-  g = g * s.grad_mult + s.l2 * w;
+  g = g * s.grad_mult;
+  if (s.l2 != 0.f) g = g + s.l2 * w;  // Adam's L2 term; AdamW leaves g as it is, like torch
   w = w - s.decay * w;
   m = m + (1.f - s.beta1) * (g - m);
   v = s.beta2 * v + (1.f - s.beta2) * (g * g);

@@ -75,9 +75,9 @@ MPF_HD int32_t quant8_keep_negative(int32_t code, float m, int32_t zero_code) {
 // mantissa bits, i.e. the bf16 pattern), key = bits & 0xFFFF (the position in the bin; x moves
 // monotonically with the key inside a bin, up for positive bins, down for negative ones). Codes
 // are monotonic in x, so a bin whose codes differ by at most one holds one cut: the entry packs
-//     [ code if key > cut : 8 | code otherwise : 8 | cut : 16 ]
+//     [ cut : 16 | code if key > cut : 8 | code otherwise : 8 ]
 // (cut 0xFFFF: one code for the whole bin). One table load and four integer operations per value
-// instead of eight dependent loads; every float32 (NaN and inf included) encodes as
+// (shift, compare, masked shift, narrow) instead of eight dependent loads; every float32 (NaN and inf included) encodes as
 // quant8_encode would, which the builder checks bin by bin.
 struct Quant8Lut {
   static constexpr int kBins = 1 << 16;
@@ -88,11 +88,17 @@ struct Quant8Lut {
 
 // `center` = lut + 32768: the entries are indexed by the signed top half of the bits, which x86
 // compilers turn into a hardware gather (an index they can prove non-negative they do not).
-MPF_HD int32_t quant8_encode_lut(const uint32_t* center, float x) {
+// The word whose low 8 bits are the code (a caller that narrows to uint8 anyway skips the mask).
+MPF_HD uint32_t quant8_encode_lut_word(const uint32_t* center, float x) {
   const uint32_t u = f32_bits(x);
   const uint32_t e = center[int32_t(u) >> 16];
-  const uint32_t shift = (u << 16) > (e << 16) ? 24u : 16u;  // which of the two codes
-  return int32_t((e >> shift) & 0xFFu);
+  // key > cut  <=>  (key << 16) > e: the codes in e's low half only break the tie key == cut,
+  // downward, so the cut needs no unpacking.
+  return (u << 16) > e ? e >> 8 : e;
+}
+
+MPF_HD int32_t quant8_encode_lut(const uint32_t* center, float x) {
+  return int32_t(quant8_encode_lut_word(center, x) & 0xFFu);
 }
 
 // Host: fills the table for `map` (sorted) and says whether it reproduces quant8_encode exactly.
@@ -126,7 +132,7 @@ inline void quant8_build_lut(const float* map, Quant8Lut& t, int32_t negative_ze
       d0 = d0 == negative_zero_code ? d0 - 1 : d0;
       d1 = d1 == negative_zero_code ? d1 - 1 : d1;
     }
-    t.lut[bin ^ 0x8000u] = (uint32_t(d1) << 24) | (uint32_t(d0) << 16) | cut;  // see center
+    t.lut[bin ^ 0x8000u] = (cut << 16) | (uint32_t(d1) << 8) | uint32_t(d0);  // see center
   }
 }
 
