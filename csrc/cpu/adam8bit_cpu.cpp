@@ -338,8 +338,11 @@ void adam8bit_step(const TensorLists<7>& t, const double* step, const Adam8bitCo
   std::vector<ChunkFn> kernels(size_t(t.size));
   std::vector<uint64_t> seeds(size_t(t.size));
   for (int64_t i = 0; i < t.size; ++i) {
-    scalars[i] = adam_scalars(c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, c.decoupled,
-                              c.maximize, c.grad_mult, step[i]);
+    // Tensors of a group usually share their step: reuse the scalars (two pow() calls).
+    scalars[i] = i > 0 && step[i] == step[i - 1]
+                     ? scalars[i - 1]
+                     : adam_scalars(c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, c.decoupled,
+                                    c.maximize, c.grad_mult, step[i]);
     kernels[i] = pick_kernel(t.dtype[i], c.master_mode, lut);
     seeds[i] = step_seed(c.seed, step[i]);
   }
