@@ -5,7 +5,9 @@ lists handed to the multi-tensor kernels are built once and reused until the gro
 the set of params that have grads, or their state change."""
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import torch
 
@@ -16,6 +18,17 @@ class Bucket:
     indices: list[int]                    # positions in group["params"]
     params: list[torch.Tensor]
     state: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    _pick: object = field(default=None, repr=False)  # itemgetter of `indices`, made on first use
+    _sharded: bool = False                           # DTensor params: pass the local shards
+
+    def take(self, grads) -> list:
+        """This bucket's grads from the group's grad list, in kernel order (the local shards of
+        DTensor grads). Built-in itemgetter: with 10,000 tensors a Python loop costs ~1 ms."""
+        if self._pick is None:
+            self._pick = operator.itemgetter(*self.indices, self.indices[0])  # always a tuple
+            self._sharded = any(hasattr(p, "to_local") for p in self.params)
+        got = self._pick(grads)[:-1]
+        return [g.to_local() for g in got] if self._sharded else list(got)
 
 
 @dataclass
@@ -25,7 +38,9 @@ class GroupPlan:
 
 
 def plan_key(params, grads, extra=()) -> tuple:
-    return (tuple(map(id, params)), tuple(g is not None for g in grads)) + tuple(extra)
+    # map() over built-ins runs at C speed (a generator costs ~1 ms a step with 10,000 params).
+    has_grad = tuple(map(isinstance, grads, repeat(torch.Tensor)))
+    return (tuple(map(id, params)), has_grad) + tuple(extra)
 
 
 def build_buckets(params, grads) -> list[Bucket]:

@@ -178,7 +178,7 @@ class AdamW(Optimizer):
             grads = all_grads[index]
             for b in self._plan(index, group, grads).buckets:
                 dev = b.state["local_params"][0].device
-                self._launch(b, [_local(grads[i]) for i in b.indices], group,
+                self._launch(b, b.take(grads), group,
                              _hyper(group, dev),
                              (_on(grad_scale, dev), _on(found_inf, dev), _on(norm_sq, dev),
                               float(self.max_grad_norm or 0.0), self._seed))
