@@ -152,8 +152,9 @@ def main():
         torch.set_num_threads(args.threads)
     rows = bench([int(s) for s in args.sizes], args.steps, args.rounds, args.warmup)
     import mpfused
+    from mpfused.info import source_commit
     meta = dict(device=_device_name(), threads=torch.get_num_threads(), torch=torch.__version__,
-                mpfused=mpfused.__version__, date=datetime.datetime.now().isoformat(timespec="seconds"),
+                mpfused=mpfused.__version__, commit=source_commit(), date=datetime.datetime.now().isoformat(timespec="seconds"),
                 load_average=os.getloadavg(), steps=args.steps, rounds=args.rounds,
                 warmup=args.warmup)
     for mod in ("bitsandbytes", "torchao"):

@@ -8,11 +8,12 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+
+from mpfused.info import source_commit
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -64,11 +65,7 @@ def copy_bandwidth(device: str, nbytes: int = 1 << 28) -> float:
 
 
 def machine() -> dict:
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = "unknown"
+    commit = source_commit()
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

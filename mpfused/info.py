@@ -12,6 +12,19 @@ from mpfused import _extension
 from mpfused.ops import OPS
 
 
+def source_commit() -> str:
+    """Short git commit of the source tree mpfused runs from ("unknown" outside a checkout):
+    recorded with every benchmark result."""
+    import subprocess
+    from pathlib import Path
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    return out or "unknown"
+
+
 def report() -> str:
     lines = [
         f"mpfused {mpfused.__version__}",
