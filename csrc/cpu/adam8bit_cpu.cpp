@@ -12,6 +12,7 @@
 
 #include "mpfused/quant8_math.h"
 #include "parallel.h"
+#include "step_scalars.h"
 
 // Per-ISA builds of the chunk kernel (AVX-512, AVX2+FMA, baseline), picked once at run time.
 // Not MPF_CPU_MULTIVERSION: target_clones clones get GCC's generic tuning, which never emits
@@ -334,18 +335,11 @@ void adam8bit_step(const TensorLists<7>& t, const double* step, const Adam8bitCo
                 c.zero_code1};
   const bool lut = mp.enc1->lut.exact && mp.enc2->lut.exact;
   const std::vector<Chunk> chunks = make_chunks(t.numel, t.size);  // block-aligned (static_assert)
-  std::vector<AdamScalars> scalars(size_t(t.size));
+  const StepScalars ss = step_scalars(c, step, t.size);
+  const std::vector<AdamScalars>& scalars = ss.scalars;
+  const std::vector<uint64_t>& seeds = ss.seeds;
   std::vector<ChunkFn> kernels(size_t(t.size));
-  std::vector<uint64_t> seeds(size_t(t.size));
-  for (int64_t i = 0; i < t.size; ++i) {
-    // Tensors of a group usually share their step: reuse the scalars (two pow() calls).
-    scalars[i] = i > 0 && step[i] == step[i - 1]
-                     ? scalars[i - 1]
-                     : adam_scalars(c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, c.decoupled,
-                                    c.maximize, c.grad_mult, step[i]);
-    kernels[i] = pick_kernel(t.dtype[i], c.master_mode, lut);
-    seeds[i] = step_seed(c.seed, step[i]);
-  }
+  for (int64_t i = 0; i < t.size; ++i) kernels[i] = pick_kernel(t.dtype[i], c.master_mode, lut);
   const int64_t nc = int64_t(chunks.size());
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (nc > 1)
   for (int64_t k = 0; k < nc; ++k) {

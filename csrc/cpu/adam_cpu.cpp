@@ -3,6 +3,7 @@
 #include <omp.h>
 
 #include "parallel.h"
+#include "step_scalars.h"
 
 namespace mpfused::cpu {
 namespace {
@@ -56,18 +57,11 @@ ChunkFn pick_kernel(int32_t dtype, int mode, bool ams) {
 
 void adam_step(const TensorLists<6>& t, const double* step, const AdamConfig& c, int num_threads) {
   const std::vector<Chunk> chunks = make_chunks(t.numel, t.size);
-  std::vector<AdamScalars> scalars(size_t(t.size));
+  const StepScalars ss = step_scalars(c, step, t.size);
+  const std::vector<AdamScalars>& scalars = ss.scalars;
+  const std::vector<uint64_t>& seeds = ss.seeds;
   std::vector<ChunkFn> kernels(size_t(t.size));
-  std::vector<uint64_t> seeds(size_t(t.size));
-  for (int64_t i = 0; i < t.size; ++i) {
-    // Tensors of a group usually share their step: reuse the scalars (two pow() calls).
-    scalars[i] = i > 0 && step[i] == step[i - 1]
-                     ? scalars[i - 1]
-                     : adam_scalars(c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, c.decoupled,
-                                    c.maximize, c.grad_mult, step[i]);
-    kernels[i] = pick_kernel(t.dtype[i], c.master_mode, c.amsgrad);
-    seeds[i] = step_seed(c.seed, step[i]);
-  }
+  for (int64_t i = 0; i < t.size; ++i) kernels[i] = pick_kernel(t.dtype[i], c.master_mode, c.amsgrad);
   const int64_t nc = int64_t(chunks.size());
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (nc > 1)
   for (int64_t k = 0; k < nc; ++k) {
