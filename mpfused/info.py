@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
+from pathlib import Path
 
 import torch
 
@@ -15,8 +17,6 @@ from mpfused.ops import OPS
 def source_commit() -> str:
     """Short git commit of the source tree mpfused runs from ("unknown" outside a checkout):
     recorded with every benchmark result."""
-    import subprocess
-    from pathlib import Path
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip()

@@ -124,8 +124,8 @@ MPF_HD void encode_pair(float m, float v, float r1, float r2, const uint32_t* __
   const float x2 = v * r2;
   if constexpr (LUT) {
     // The sign rule is in the first moment's table. Codes in the low byte: stored as uint8.
-    q1 = int32_t(quant8_encode_lut_word(lut1, x1));
-    q2 = int32_t(quant8_encode_lut_word(lut2, x2));
+    q1 = int32_t(quant8_encode_lut(lut1, x1));
+    q2 = int32_t(quant8_encode_lut(lut2, x2));
   } else {
     q1 = quant8_keep_negative(quant8_encode(thr1, x1), m, zc);
     q2 = quant8_encode(thr2, x2);

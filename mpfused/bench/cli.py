@@ -51,8 +51,6 @@ def main(argv=None):
     results = run_benchmark(BenchOptions(device=args.device, size=args.size, dtype=args.dtype,
                                          steps=args.steps, recipes=args.recipes, seed=args.seed))
     results["config"]["wall_seconds"] = round(time.perf_counter() - started, 1)
-    from mpfused.info import source_commit
-    results["config"].update(commit=source_commit(), date=time.strftime("%Y-%m-%d"))
     os.makedirs(args.out, exist_ok=True)
     json_path = write_json(results, args.out)
     png_path = plot_results(results, args.out)

@@ -16,6 +16,7 @@ from mpfused.bench.model import CharGPT, GPTConfig
 from mpfused.bench.presets import SIZE_PRESETS
 from mpfused.bench.recipes import RECIPES, Hyperparameters, RecipeUnavailable
 from mpfused.bench.train import StepFailed, train_recipe, validation_loss
+from mpfused.info import source_commit
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 VALIDATION_BATCHES = 8
@@ -113,7 +114,7 @@ def run_benchmark(options, log=print):
                         "fp16 only"),
         "corpus": {"source": "Python stdlib sources", "files": len(corpus.files),
                    "chars": corpus.n_chars, "train_tokens": len(corpus.train)},
-        "torch": torch.__version__,
+        "torch": torch.__version__, "commit": source_commit(), "date": time.strftime("%Y-%m-%d"),
     }
     log(f"model: {n_params / 1e6:.2f}M params ({preset.n_layer} layers, d={preset.d_model}), "
         f"{steps} steps x {batch}x{ctx} chars, {options.dtype} autocast on {config['device_name']}")

@@ -88,8 +88,8 @@ struct Quant8Lut {
 
 // `center` = lut + 32768: the entries are indexed by the signed top half of the bits, which x86
 // compilers turn into a hardware gather (an index they can prove non-negative they do not).
-// The word whose low 8 bits are the code (a caller that narrows to uint8 anyway skips the mask).
-MPF_HD uint32_t quant8_encode_lut_word(const uint32_t* center, float x) {
+// Returns a word whose low 8 bits are the code (callers narrow to uint8, which drops the rest).
+MPF_HD uint32_t quant8_encode_lut(const uint32_t* center, float x) {
   const uint32_t u = f32_bits(x);
   const uint32_t e = center[int32_t(u) >> 16];
   // key > cut  <=>  (key << 16) > e: the codes in e's low half only break the tie key == cut,
@@ -97,9 +97,6 @@ MPF_HD uint32_t quant8_encode_lut_word(const uint32_t* center, float x) {
   return (u << 16) > e ? e >> 8 : e;
 }
 
-MPF_HD int32_t quant8_encode_lut(const uint32_t* center, float x) {
-  return int32_t(quant8_encode_lut_word(center, x) & 0xFFu);
-}
 
 // Host: fills the table for `map` (sorted) and says whether it reproduces quant8_encode exactly.
 // With `negative_zero_code` >= 0 (the first moment's map) the table also applies
