@@ -50,7 +50,8 @@ def _extensions():
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
     archs = os.environ["TORCH_CUDA_ARCH_LIST"] if use_cuda else ""
 
-    sources = _sources("bindings/module.cpp") + _sources("bindings/*_cpu.cpp") + _sources("cpu/*.cpp")
+    sources = (_sources("bindings/module.cpp") + _sources("bindings/bound_lists.cpp")
+               + _sources("bindings/*_cpu.cpp") + _sources("cpu/*.cpp"))
     define = [("Py_LIMITED_API", "0x03090000"), ("MPFUSED_WITH_CUDA", "1" if use_cuda else "0"),
               ("MPFUSED_CUDA_ARCHS", f'"{archs}"')]
     # no FMA contraction: the AVX-512/AVX2/baseline clones, CUDA and Triton round identically

@@ -3,6 +3,7 @@
 
 #include "../cpu/adam8bit_cpu.h"
 #include "common.h"
+#include "op_signatures.h"
 
 namespace mpfused::bind {
 namespace {
@@ -70,6 +71,9 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
 }
 
 }  // namespace
+
+static_assert(std::is_same_v<decltype(adam8bit_step_cpu), Adam8bitStepFn>,
+              "adam8bit_step_cpu must keep the C++ signature BoundLists calls the op with");
 
 TORCH_LIBRARY_IMPL(mpfused, CPU, m) { m.impl("adam8bit_step_", &adam8bit_step_cpu); }
 

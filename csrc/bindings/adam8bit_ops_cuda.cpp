@@ -9,6 +9,7 @@
 
 #include "../cuda/adam8bit_cuda.h"
 #include "common.h"
+#include "op_signatures.h"
 #include "cuda_steps.h"
 
 namespace mpfused::bind {
@@ -77,6 +78,9 @@ void adam8bit_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
 }
 
 }  // namespace
+
+static_assert(std::is_same_v<decltype(adam8bit_step_cuda), Adam8bitStepFn>,
+              "adam8bit_step_cuda must keep the C++ signature BoundLists calls the op with");
 
 TORCH_LIBRARY_IMPL(mpfused, CUDA, m) { m.impl("adam8bit_step_", &adam8bit_step_cuda); }
 

@@ -3,6 +3,7 @@
 
 #include "../cpu/adam_cpu.h"
 #include "common.h"
+#include "op_signatures.h"
 
 namespace mpfused::bind {
 namespace {
@@ -38,6 +39,9 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
 }
 
 }  // namespace
+
+static_assert(std::is_same_v<decltype(adam_step_cpu), AdamStepFn>,
+              "adam_step_cpu must keep the C++ signature BoundLists calls the op with");
 
 TORCH_LIBRARY_IMPL(mpfused, CPU, m) { m.impl("adam_step_", &adam_step_cpu); }
 

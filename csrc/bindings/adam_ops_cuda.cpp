@@ -8,6 +8,7 @@
 
 #include "../cuda/adam_cuda.h"
 #include "common.h"
+#include "op_signatures.h"
 #include "cuda_steps.h"
 
 namespace mpfused::bind {
@@ -63,6 +64,9 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
 }
 
 }  // namespace
+
+static_assert(std::is_same_v<decltype(adam_step_cuda), AdamStepFn>,
+              "adam_step_cuda must keep the C++ signature BoundLists calls the op with");
 
 TORCH_LIBRARY_IMPL(mpfused, CUDA, m) { m.impl("adam_step_", &adam_step_cuda); }
 

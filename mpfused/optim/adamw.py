@@ -26,6 +26,7 @@ from mpfused.distributed import (all_reduce_, found_inf_groups, reduce_norm_part
                                  split_by_shard_groups)
 from mpfused.ops import adam as adam_ops
 from mpfused.ops import amp as amp_ops
+from mpfused.ops.bound import BoundOp
 from mpfused.optim._buckets import GroupPlan, build_buckets, plan_key
 
 __all__ = ["AdamW", "Adam", "MASTER_MODES"]
@@ -159,6 +160,10 @@ class AdamW(Optimizer):
             "mode": mode,
             "local_params": [_local(p) for p in b.params],
         }
+        s = b.state
+        s["step_"] = BoundOp(adam_ops.adam_step_, [
+            s["local_params"], s["exp_avgs"], s["exp_avg_sqs"], s["max_exp_avg_sqs"],
+            s["masters"], s["steps"]])
 
     # ---- step -------------------------------------------------------------------------------
     @torch.no_grad()
@@ -187,11 +192,8 @@ class AdamW(Optimizer):
     def _launch(self, b, grads, group, hyper, scaling) -> None:
         """One fused kernel call for a bucket: (lr, lr_tensor, betas, eps, weight_decay) in
         `hyper`, (grad_scale, found_inf, norm_sq, max_grad_norm, seed) in `scaling`."""
-        s = b.state
-        adam_ops.adam_step_(
-            s["local_params"], grads, s["exp_avgs"], s["exp_avg_sqs"], s["max_exp_avg_sqs"],
-            s["masters"], s["steps"], *hyper, bool(group["amsgrad"]), bool(group["maximize"]),
-            self._decoupled, s["mode"], *scaling, backend=self._backend)
+        b.state["step_"](grads, *hyper, bool(group["amsgrad"]), bool(group["maximize"]),
+                         self._decoupled, b.state["mode"], *scaling, backend=self._backend)
 
     def _own_norm(self, all_grads, grad_scale, found_inf):
         """Fused clipping without a scaler: one read-only pass for the norm (and non-finites).

@@ -68,6 +68,7 @@ import torch
 
 from mpfused.distributed import all_reduce_, is_dtensor, mesh_groups
 from mpfused.ops import adam8bit as adam8bit_ops
+from mpfused.ops.bound import BoundOp
 from mpfused.optim._buckets import Bucket, GroupPlan, build_buckets, plan_key
 from mpfused.optim.adamw import MASTER_MODES, AdamW, _local
 from mpfused.quant_maps import (SIGNED_ZERO_CODE, dequantize_blockwise, encode, inv_scale,
@@ -263,17 +264,19 @@ class AdamW8bit(AdamW):
             b.state.update(absmax1s=[s["exp_avg_absmax"] for s in st],
                            absmax2s=[s["exp_avg_sq_absmax"] for s in st],
                            qmap1=signed_map(dev), qmap2=unsigned_map(dev))
+            s = b.state
+            s["step_"] = BoundOp(adam8bit_ops.adam8bit_step_, [
+                s["local_params"], s["exp_avgs"], s["exp_avg_sqs"], s["absmax1s"], s["absmax2s"],
+                s["masters"], s["steps"]])
 
     # ---- step: AdamW.step, with 8-bit buckets launched on the 8-bit kernel ----------------------
     def _launch(self, b, grads, group, hyper, scaling) -> None:
         s = b.state
         if not s["eight"]:
             return super()._launch(b, grads, group, hyper, scaling)
-        adam8bit_ops.adam8bit_step_(
-            s["local_params"], grads, s["exp_avgs"], s["exp_avg_sqs"], s["absmax1s"],
-            s["absmax2s"], s["masters"], s["steps"], s["qmap1"], s["qmap2"],
-            int(group["block_size"]), *hyper, bool(group["maximize"]), self._decoupled, s["mode"],
-            *scaling, backend=self._backend)
+        s["step_"](grads, s["qmap1"], s["qmap2"], int(group["block_size"]), *hyper,
+                   bool(group["maximize"]), self._decoupled, s["mode"], *scaling,
+                   backend=self._backend)
 
     # ---- conversions -------------------------------------------------------------------------
     def to_torch_state_dict(self) -> dict:

@@ -1,0 +1,86 @@
+// BoundLists (torch.classes.mpfused.BoundLists): the operand lists of an optimizer bucket other
+// than its grads, converted from Python once, when the bucket is built. A step then converts only
+// its grads: with 10,000 small tensors, turning the op's Python tensor lists into C++ ones costs
+// ~145 ns per tensor, 70% of a plain op call. The methods call the declared ops (adam_step_,
+// adam8bit_step_) unboxed through the dispatcher, so the kernel serving them is whichever native
+// kernel serves the op on the lists' device; nothing here is device specific.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "op_signatures.h"
+
+namespace mpfused::bind {
+namespace {
+
+struct BoundLists : torch::CustomClassHolder {
+  std::vector<at::Tensor> tensors;  // the lists one after another
+  std::vector<int64_t> starts;      // list k is tensors[starts[k], starts[k + 1])
+
+  BoundLists(at::TensorList flat, at::IntArrayRef lengths) : tensors(flat.vec()) {
+    starts.push_back(0);
+    for (int64_t n : lengths) {
+      TORCH_CHECK(n >= 0, "mpfused: BoundLists lengths must be non-negative, got ", n);
+      starts.push_back(starts.back() + n);
+    }
+    TORCH_CHECK(starts.back() == int64_t(tensors.size()), "mpfused: BoundLists lengths sum to ",
+                starts.back(), " but ", tensors.size(), " tensors were given");
+  }
+
+  at::TensorList list(size_t k) const {
+    return at::TensorList(tensors.data() + starts[k], size_t(starts[k + 1] - starts[k]));
+  }
+
+  void expect_lists(size_t want, const char* op, const char* names) const {
+    TORCH_CHECK(starts.size() == want + 1, "mpfused: BoundLists.", op, " needs the ", want,
+                " lists (", names, "), got ", starts.size() - 1);
+  }
+
+  void adam_step_(at::TensorList grads, double lr, const std::optional<at::Tensor>& lr_tensor,
+                  double beta1, double beta2, double eps, double weight_decay, bool amsgrad,
+                  bool maximize, bool decoupled, int64_t master_mode,
+                  const std::optional<at::Tensor>& grad_scale,
+                  const std::optional<at::Tensor>& found_inf,
+                  const std::optional<at::Tensor>& norm_sq, double max_grad_norm, int64_t seed) {
+    expect_lists(6, "adam_step_",
+                 "params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps");
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("mpfused::adam_step_", "")
+                               .typed<AdamStepFn>();
+    op.call(list(0), grads, list(1), list(2), list(3), list(4), list(5), lr, lr_tensor, beta1,
+            beta2, eps, weight_decay, amsgrad, maximize, decoupled, master_mode, grad_scale,
+            found_inf, norm_sq, max_grad_norm, seed);
+  }
+
+  void adam8bit_step_(at::TensorList grads, const at::Tensor& qmap1, const at::Tensor& qmap2,
+                      int64_t block_size, double lr, const std::optional<at::Tensor>& lr_tensor,
+                      double beta1, double beta2, double eps, double weight_decay, bool maximize,
+                      bool decoupled, int64_t master_mode,
+                      const std::optional<at::Tensor>& grad_scale,
+                      const std::optional<at::Tensor>& found_inf,
+                      const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
+                      int64_t seed) {
+    expect_lists(7, "adam8bit_step_",
+                 "params, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters, steps");
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("mpfused::adam8bit_step_", "")
+                               .typed<Adam8bitStepFn>();
+    op.call(list(0), grads, list(1), list(2), list(3), list(4), list(5), list(6), qmap1, qmap2,
+            block_size, lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize, decoupled,
+            master_mode, grad_scale, found_inf, norm_sq, max_grad_norm, seed);
+  }
+};
+
+}  // namespace
+
+// A fragment: the namespace's op schemas are defined from Python (mpfused/ops/registry.py).
+TORCH_LIBRARY_FRAGMENT(mpfused, m) {
+  m.class_<BoundLists>("BoundLists")
+      .def(torch::init<at::TensorList, at::IntArrayRef>())
+      .def("adam_step_", &BoundLists::adam_step_)
+      .def("adam8bit_step_", &BoundLists::adam8bit_step_);
+}
+
+}  // namespace mpfused::bind

@@ -1,0 +1,35 @@
+// The C++ signatures of the multi-tensor step ops, as their schemas (mpfused/ops/*.py) map to
+// C++: every backend's kernel has exactly this type (static_assert beside each registration),
+// so BoundLists can call the ops unboxed through the dispatcher.
+#pragma once
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace mpfused::bind {
+
+using AdamStepFn = void(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                        at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,
+                        at::TensorList masters, at::TensorList steps, double lr,
+                        const std::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
+                        double eps, double weight_decay, bool amsgrad, bool maximize,
+                        bool decoupled, int64_t master_mode,
+                        const std::optional<at::Tensor>& grad_scale,
+                        const std::optional<at::Tensor>& found_inf,
+                        const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
+                        int64_t seed);
+
+using Adam8bitStepFn = void(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                            at::TensorList exp_avg_sqs, at::TensorList absmax1s,
+                            at::TensorList absmax2s, at::TensorList masters,
+                            at::TensorList steps, const at::Tensor& qmap1,
+                            const at::Tensor& qmap2, int64_t block_size, double lr,
+                            const std::optional<at::Tensor>& lr_tensor, double beta1,
+                            double beta2, double eps, double weight_decay, bool maximize,
+                            bool decoupled, int64_t master_mode,
+                            const std::optional<at::Tensor>& grad_scale,
+                            const std::optional<at::Tensor>& found_inf,
+                            const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
+                            int64_t seed);
+
+}  // namespace mpfused::bind

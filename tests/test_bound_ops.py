@@ -1,0 +1,154 @@
+"""BoundOp (mpfused/ops/bound.py): a step op called with its operand lists bound once on the C++
+side computes exactly what the plain op call computes (bit for bit, same kernel), falls back to
+the plain call off the native backend, and rejects mis-bound lists with a clear error. Also: the
+step ops pass autograd straight through (no boxed fallback), as torch's fused optimizer ops do."""
+import pytest
+import torch
+
+import mpfused
+from mpfused import _extension
+from mpfused import quant_maps as qm
+from mpfused.ops import OPS
+from mpfused.ops.bound import BoundOp
+from tests.test_adam_kernels import (ARG_ORDER, BF16, F16, F32, FP32_MASTER, HYPER, KEYS, NONE,
+                                     REMAINDER, STOCHASTIC, bits_equal, clone_state, make_state)
+
+needs_native = pytest.mark.skipif(_extension.load() is None, reason="native extension not built")
+SHAPES = [(1,), (0,), (7,), (4097,), (5, 13), (300,)]
+ADAM_CASES = [(F32, NONE, False), (F32, NONE, True), (BF16, FP32_MASTER, True),
+              (F16, FP32_MASTER, False), (BF16, REMAINDER, False), (BF16, STOCHASTIC, False)]
+
+
+def _adam_lists(s):
+    return [s[k] for k in KEYS if k != "grads"]
+
+
+def _adam_rest(**kw):
+    h = {**HYPER, **kw}
+    return tuple(h[k] for k in ARG_ORDER)
+
+
+def _assert_same(a, b):
+    for k in a:
+        for x, y in zip(a[k], b[k]):
+            assert bits_equal(x, y), k
+
+
+@needs_native
+@pytest.mark.parametrize("dtype,mode,amsgrad", ADAM_CASES,
+                         ids=[f"{str(d)[6:]}-m{m}-ams{int(a)}" for d, m, a in ADAM_CASES])
+def test_bound_adam_step_equals_plain_call(dtype, mode, amsgrad):
+    s = make_state(SHAPES, dtype, mode, amsgrad, "cpu")
+    s["params"][2] = s["params"][2].t() if s["params"][2].dim() == 2 else s["params"][2]
+    plain, bound = clone_state(s), clone_state(s)
+    rest = _adam_rest(amsgrad=amsgrad, master_mode=mode, grad_scale=torch.tensor(4.0),
+                      found_inf=torch.zeros(()), norm_sq=torch.tensor(9.0), max_grad_norm=1.0,
+                      seed=11)
+    call = BoundOp(OPS["adam_step_"], _adam_lists(bound))
+    assert call._native is not None
+    for _ in range(3):
+        OPS["adam_step_"](*(plain[k] for k in KEYS), *rest, backend="native")
+        call(bound["grads"], *rest, backend="native")
+    _assert_same(plain, bound)
+    assert float(bound["steps"][0]) == float(s["steps"][0]) + 3
+    # found_inf > 0: nothing changes, step counters included
+    before = clone_state(bound)
+    call(bound["grads"], *_adam_rest(amsgrad=amsgrad, master_mode=mode,
+                                     found_inf=torch.ones(())), backend="native")
+    _assert_same(before, bound)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype,mode", [(F32, 0), (BF16, 1), (BF16, 2), (F16, 0)])
+def test_bound_adam8bit_step_equals_plain_call(dtype, mode):
+    block = 256
+    sizes = [700, 256, 1, 0, 4099]
+    states = []
+    for _ in range(2):
+        gen = torch.Generator().manual_seed(99)
+        lists = [[] for _ in range(8)]  # params, grads, codes1, codes2, absmax1, absmax2, masters, steps
+        for n in sizes:
+            p32 = torch.randn(n, generator=gen) * 0.1
+            lists[0].append(p32.to(dtype))
+            lists[1].append((torch.randn(n, generator=gen) * 0.01).to(dtype))
+            c1, a1 = qm.quantize_blockwise(torch.randn(n, generator=gen) * 1e-3, qm.signed_map(), block)
+            c2, a2 = qm.quantize_blockwise(torch.rand(n, generator=gen) * 1e-5, qm.unsigned_map(), block)
+            for k, t in zip((2, 3, 4, 5), (c1, c2, a1, a2)):
+                lists[k].append(t)
+            if mode == 1:
+                lists[6].append(p32 + 1e-5)
+            elif mode == 2:
+                lists[6].append(torch.randint(-2**15, 2**15, (n,), generator=gen, dtype=torch.int16))
+            lists[7].append(torch.full((), 4.0))
+        states.append(lists)
+    plain, bound = states
+    rest = (qm.signed_map(), qm.unsigned_map(), block, 1e-3, None, 0.9, 0.999, 1e-8, 1e-2, False,
+            True, mode, torch.tensor(2.0), torch.zeros(()), torch.tensor(4.0), 1.0, 7)
+    call = BoundOp(OPS["adam8bit_step_"], [bound[0]] + bound[2:])
+    for _ in range(2):
+        OPS["adam8bit_step_"](*plain, *rest, backend="native")
+        call(bound[1], *rest, backend="native")
+    for a, b in zip(plain, bound):
+        for x, y in zip(a, b):
+            assert bits_equal(x, y)
+    assert float(bound[7][0]) == 6.0
+
+
+def test_bound_op_off_native_is_the_plain_call():
+    """The reference backend (and Triton, torch.compile) get the plain lists."""
+    s = make_state(SHAPES, BF16, FP32_MASTER, False, "cpu")
+    plain, bound = clone_state(s), clone_state(s)
+    rest = _adam_rest(master_mode=FP32_MASTER)
+    OPS["adam_step_"](*(plain[k] for k in KEYS), *rest, backend="reference")
+    BoundOp(OPS["adam_step_"], _adam_lists(bound))(bound["grads"], *rest, backend="reference")
+    _assert_same(plain, bound)
+
+
+@needs_native
+def test_bound_lists_reject_wrong_binding():
+    s = make_state([(3,)], F32, NONE, False, "cpu")
+    lists = _adam_lists(s)
+    with pytest.raises(RuntimeError, match="adam_step_ needs the 6 lists"):
+        BoundOp(OPS["adam_step_"], lists[:5])(s["grads"], *_adam_rest(), backend="native")
+    with pytest.raises(RuntimeError, match="lengths sum to 3 but 4 tensors"):
+        torch.classes.mpfused.BoundLists([t for ts in lists for t in ts], [1, 1, 1, 0, 0, 0])
+    with pytest.raises(RuntimeError, match="adam8bit_step_ needs the 7 lists"):
+        BoundOp(OPS["adam8bit_step_"], lists)(s["grads"], qm.signed_map(), qm.unsigned_map(),
+                                              256, *_adam_rest()[:6], False, True, 0, None,
+                                              None, None, 0.0, 0, backend="native")
+    # the op's own checks still run: a grad of the wrong length
+    with pytest.raises(RuntimeError, match="same length"):
+        BoundOp(OPS["adam_step_"], lists)(s["grads"] * 2, *_adam_rest(), backend="native")
+
+
+@needs_native
+@pytest.mark.parametrize("cls", [mpfused.AdamW, mpfused.AdamW8bit])
+def test_optimizers_step_through_bound_lists(cls):
+    model = torch.nn.Sequential(torch.nn.Linear(80, 64), torch.nn.Linear(64, 3))
+    opt = cls(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 80)).sum().backward()
+    opt.step()
+    buckets = [b for plan in opt._plans.values() for b in plan.buckets]
+    assert buckets and all(b.state["step_"]._native is not None for b in buckets)
+    assert all(float(opt.state[p]["step"]) == 1.0 for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_step_ops_pass_autograd_through(name):
+    """No outputs, no derivative: the Autograd key falls through to the kernel (torch's boxed
+    fallback would convert every tensor list twice)."""
+    assert torch._C._dispatch_has_kernel_for_dispatch_key(OPS[name].qualname, "Autograd")
+
+
+def test_step_op_under_grad_mode_updates_like_no_grad():
+    """As torch._fused_adamw_: called outside no_grad on params that require grad, the step still
+    updates in place and attaches no graph."""
+    s = make_state([(5,), (3, 2)], F32, NONE, False, "cpu")
+    a, b = clone_state(s), clone_state(s)
+    for p in a["params"]:
+        p.requires_grad_(True)
+    OPS["adam_step_"](*(a[k] for k in KEYS), *_adam_rest())
+    with torch.no_grad():
+        OPS["adam_step_"](*(b[k] for k in KEYS), *_adam_rest())
+    for x, y in zip(a["params"], b["params"]):
+        assert x.grad_fn is None and torch.equal(x.detach(), y)
