@@ -78,6 +78,8 @@ class AdamW(Optimizer):
         self.register_load_state_dict_pre_hook(_stash_fp32_state)
         self.register_load_state_dict_post_hook(_restore_fp32_state)
 
+    _one_device_per_group = True  # add_param_group refuses a group that spans devices
+
     def add_param_group(self, param_group) -> None:
         super().add_param_group(param_group)
         params = self.param_groups[-1]["params"]
