@@ -13,6 +13,7 @@ from mpfused.ops.bound import BoundOp
 from tests.test_adam_kernels import (ARG_ORDER, BF16, F16, F32, FP32_MASTER, HYPER, KEYS, NONE,
                                      REMAINDER, STOCHASTIC, bits_equal, clone_state, make_state)
 
+OP_UNDER_TEST = "adam_step_"  # the (device, backend) parametrization of tests/conftest.py
 needs_native = pytest.mark.skipif(_extension.load() is None, reason="native extension not built")
 SHAPES = [(1,), (0,), (7,), (4097,), (5, 13), (300,)]
 ADAM_CASES = [(F32, NONE, False), (F32, NONE, True), (BF16, FP32_MASTER, True),
@@ -140,15 +141,21 @@ def test_step_ops_pass_autograd_through(name):
     assert torch._C._dispatch_has_kernel_for_dispatch_key(OPS[name].qualname, "Autograd")
 
 
-def test_step_op_under_grad_mode_updates_like_no_grad():
+@pytest.mark.parametrize("via", ["registry", "dispatcher"])
+def test_step_op_under_grad_mode_updates_like_no_grad(device, backend, via):
     """As torch._fused_adamw_: called outside no_grad on params that require grad, the step still
-    updates in place and attaches no graph."""
-    s = make_state([(5,), (3, 2)], F32, NONE, False, "cpu")
+    updates in place and attaches no graph, on every backend (the reference included, reached
+    through the registry or through the dispatcher)."""
+    if via == "dispatcher" and backend != "native" and OPS["adam_step_"].native_available(device):
+        pytest.skip("the dispatcher serves this device natively")
+    s = make_state([(5,), (3, 2)], F32, NONE, False, device)
     a, b = clone_state(s), clone_state(s)
     for p in a["params"]:
         p.requires_grad_(True)
-    OPS["adam_step_"](*(a[k] for k in KEYS), *_adam_rest())
+    run = (OPS["adam_step_"].overload if via == "dispatcher"
+           else lambda *args: OPS["adam_step_"](*args, backend=backend))
+    run(*(a[k] for k in KEYS), *_adam_rest())
     with torch.no_grad():
-        OPS["adam_step_"](*(b[k] for k in KEYS), *_adam_rest())
+        run(*(b[k] for k in KEYS), *_adam_rest())
     for x, y in zip(a["params"], b["params"]):
         assert x.grad_fn is None and torch.equal(x.detach(), y)

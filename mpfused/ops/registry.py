@@ -15,6 +15,7 @@ Dispatch model
 """
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 from dataclasses import dataclass, field
@@ -144,9 +145,12 @@ def define_op(schema: str, *, reference: Callable, fake: Callable | None = None,
     name = schema.split("(", 1)[0]
     _LIB.define(schema)
     qual = f"{NAMESPACE}::{name}"
+    in_place = schema.endswith("-> ()")
+    if in_place:
+        reference = _no_derivative(reference)
     torch.library.register_fake(qual, fake or _no_output_fake, lib=_LIB)
     torch.library.register_kernel(qual, "default", reference, lib=_LIB)
-    if schema.endswith("-> ()"):
+    if in_place:
         # No outputs, so no derivative to record: autograd passes the call straight on. Torch's
         # default autograd fallback would box it (turn every tensor list into an IValue list and
         # back: ~0.5 us per tensor, 5 ms of a call with 10,000 tensors) only to attach nothing.
@@ -154,6 +158,17 @@ def define_op(schema: str, *, reference: Callable, fake: Callable | None = None,
     op = Op(name=name, schema=schema, reference=reference, triton_path=triton)
     OPS[name] = op
     return op
+
+
+def _no_derivative(reference: Callable) -> Callable:
+    """An in-place op's reference run without autograd, as its native kernels are (and as
+    torch's fused optimizer ops): in grad mode its in-place updates of leaf tensors that require
+    grad would otherwise raise."""
+    @functools.wraps(reference)
+    def run(*args, **kwargs):
+        with torch.no_grad():
+            return reference(*args, **kwargs)
+    return run
 
 
 def _no_output_fake(*args, **kwargs):
