@@ -86,7 +86,8 @@ class GradScaler(torch.amp.GradScaler):
             # grads costs ~10 ms; reading .device ~0.15 us a tensor): plain dense tensors on
             # one device.
             if set(map(type, grads)) == _PLAIN and set(map(_LAYOUT, grads)) == _STRIDED:
-                devices = {grads[0].device} if one_device else set(map(_DEVICE, grads))
+                devices = ({grads[0].device, grads[-1].device} if one_device
+                           else set(map(_DEVICE, grads)))
                 if len(devices) == 1:
                     if not allow_fp16 and torch.float16 in set(map(_DTYPE, grads)):
                         raise ValueError("Attempting to unscale FP16 gradients.")

@@ -390,3 +390,37 @@ def test_state_dict_with_wrong_dtypes_is_rejected():
         sd["state"][0][key] = bad
         with pytest.raises(ValueError, match=rf"state\[0\]\['{key}'\] has dtype"):
             opt.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("cls", [mpfused.AdamW, mpfused.AdamW8bit])
+def test_pickle_and_deepcopy_keep_options_and_fp32_state(cls):
+    """torch's Optimizer pickles only defaults/state/param_groups: a copy must keep our options
+    (max_grad_norm, backend, seed, 8-bit defaults) and our state_dict hooks, so that it steps like
+    the original and a later load_state_dict keeps fp32 masters and moments fp32."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64, 80).bfloat16())
+    opt = cls([p], lr=1e-2, max_grad_norm=0.5, seed=7)
+    p.grad = torch.randn_like(p)
+    opt.step()
+    sd = copy.deepcopy(opt.state_dict())
+    for clone in (copy.deepcopy(opt), torch.load(io.BytesIO(_saved(opt)), weights_only=False)):
+        q = clone.param_groups[0]["params"][0]
+        assert clone.max_grad_norm == 0.5 and clone._seed == 7
+        # same next step as the original from the same state
+        ref = copy.deepcopy(opt)
+        for o, x in ((clone, q), (ref, ref.param_groups[0]["params"][0])):
+            x.grad = (p.grad * 1000).clone()  # clipping changes the update if max_grad_norm kept
+            o.step()
+        assert torch.equal(q, ref.param_groups[0]["params"][0])
+        clone.load_state_dict(sd)
+        assert clone.state[q]["master"].dtype == torch.float32
+        if cls is mpfused.AdamW:
+            assert clone.state[q]["exp_avg"].dtype == torch.float32
+        else:
+            assert clone.state[q]["exp_avg"].dtype == torch.uint8
+
+
+def _saved(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()

@@ -3,10 +3,10 @@
 An optimizer bucket's params and state tensors stay the same from step to step; only its grads
 are new. Passing all of them to the op each step makes torch convert every Python tensor list to
 C++ (~145 ns per tensor: 7 ms of a 10 ms call with 10,000 tensors and five lists). A
-``BoundOp`` converts the fixed lists once into ``torch.classes.mpfused.BoundLists`` (see
-csrc/bindings/bound_lists.cpp) and a step passes only the grads. It serves native calls in eager
-mode; under ``torch.compile``, on the Triton or reference backend, or without the extension it
-calls the op with the plain lists, so every path computes the same thing.
+``BoundOp`` converts the fixed lists once, on its first native eager call, into
+``torch.classes.mpfused.BoundLists`` (see csrc/bindings/bound_lists.cpp), and a step passes only
+the grads. Under ``torch.compile``, on the Triton or reference backend, or without the extension
+it calls the op with the plain lists, so every path computes the same thing.
 """
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import torch
 
 from mpfused import _extension
 from mpfused.ops.registry import Op
+
+_UNBUILT = object()
 
 
 class BoundOp:
@@ -23,13 +25,23 @@ class BoundOp:
         self.op = op
         self.lists = lists
         self.device_type = lists[0][0].device.type if lists[0] else "cpu"
-        self._native = None
-        if _extension.load() is not None:
-            flat = [t for tensors in lists for t in tensors]
-            self._native = torch.classes.mpfused.BoundLists(flat, [len(t) for t in lists])
+        self._native = _UNBUILT
+
+    def native(self):
+        """The lists held natively, built on first use; None without a usable extension (one
+        built before BoundLists existed included: the plain call still works there)."""
+        if self._native is _UNBUILT:
+            self._native = None
+            if _extension.load() is not None:
+                try:
+                    self._native = torch.classes.mpfused.BoundLists(
+                        [t for tensors in self.lists for t in tensors], [len(t) for t in self.lists])
+                except RuntimeError:  # a stale build: no such class
+                    pass
+        return self._native
 
     def __call__(self, grads: list[torch.Tensor], *rest, backend: str | None = None):
-        if (self._native is not None and self.op.chosen(self.device_type, backend) == "native"
-                and not torch.compiler.is_compiling()):
+        if (not torch.compiler.is_compiling() and self.op.chosen(self.device_type, backend) == "native"
+                and self.native() is not None):
             return getattr(self._native, self.op.name)(grads, *rest)
         return self.op(self.lists[0], grads, *self.lists[1:], *rest, backend=backend)

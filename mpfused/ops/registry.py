@@ -68,6 +68,8 @@ class Op:
         if self._triton_fn is None and self.triton_path is not None:
             module, fn = self.triton_path.split(":")
             self._triton_fn = getattr(importlib.import_module(module), fn)
+            if self.schema.endswith("-> ()"):
+                self._triton_fn = _no_derivative(self._triton_fn)
         return self._triton_fn
 
     @property
@@ -160,14 +162,14 @@ def define_op(schema: str, *, reference: Callable, fake: Callable | None = None,
     return op
 
 
-def _no_derivative(reference: Callable) -> Callable:
-    """An in-place op's reference run without autograd, as its native kernels are (and as
-    torch's fused optimizer ops): in grad mode its in-place updates of leaf tensors that require
-    grad would otherwise raise."""
-    @functools.wraps(reference)
+def _no_derivative(fn: Callable) -> Callable:
+    """An in-place op's Python implementation (reference, Triton) run without autograd, as its
+    native kernels are (and as torch's fused optimizer ops): in grad mode its in-place updates
+    of leaf tensors that require grad would otherwise raise."""
+    @functools.wraps(fn)
     def run(*args, **kwargs):
         with torch.no_grad():
-            return reference(*args, **kwargs)
+            return fn(*args, **kwargs)
     return run
 
 

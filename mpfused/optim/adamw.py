@@ -17,6 +17,7 @@ and a step with found_inf > 0 changes nothing (params, masters, moments, step co
 """
 from __future__ import annotations
 
+import copy
 import math
 
 import torch
@@ -75,8 +76,7 @@ class AdamW(Optimizer):
         self._backend = backend
         self._seed = int(seed)
         self._plans: dict[int, GroupPlan] = {}
-        self.register_load_state_dict_pre_hook(_stash_fp32_state)
-        self.register_load_state_dict_post_hook(_restore_fp32_state)
+        self._register_hooks()
 
     _one_device_per_group = True  # add_param_group refuses a group that spans devices
 
@@ -97,14 +97,34 @@ class AdamW(Optimizer):
             self.param_groups.pop()  # nothing of the rejected group stays
             raise ValueError(f"mpfused.{type(self).__name__}: {error}")
 
+    # ---- hooks and pickling ------------------------------------------------------------------
+    # Beyond torch's defaults/state/param_groups, a pickled (or deep-copied) optimizer keeps these.
+    _PICKLED = {"max_grad_norm": None, "_backend": None, "_seed": 0}
+
+    def _register_hooks(self) -> None:
+        """The state_dict hooks that keep fp32 state fp32 on load (torch's load casts it to the
+        param dtype)."""
+        self.register_load_state_dict_pre_hook(_stash_fp32_state)
+        self.register_load_state_dict_post_hook(_restore_fp32_state)
+
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.update({k: getattr(self, k) for k in self._PICKLED})
+        return state
+
     def __setstate__(self, state):
         super().__setstate__(state)
+        for key, default in self._PICKLED.items():
+            self.__dict__.setdefault(key, copy.copy(default))  # pickled before these were kept
         self._plans = {}
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
             group.setdefault("capturable", False)
             group.setdefault("master_weights", "fp32")
+        # torch pickles no hooks: unpickled, the optimizer has none of its own yet
+        if _stash_fp32_state not in self._optimizer_load_state_dict_pre_hooks.values():
+            self._register_hooks()
 
     # ---- state ------------------------------------------------------------------------------
     def _master_mode(self, group, p) -> int:

@@ -150,9 +150,6 @@ class AdamW8bit(AdamW):
                          max_grad_norm=max_grad_norm, backend=backend, seed=seed,
                          foreach=foreach, fused=fused, differentiable=differentiable)
         self.defaults.update(self._8bit_defaults)
-        self.register_state_dict_post_hook(_add_format)
-        self.register_load_state_dict_pre_hook(_check_and_stash_8bit, prepend=True)
-        self.register_load_state_dict_post_hook(_restore_8bit)
 
     def add_param_group(self, param_group) -> None:
         super().add_param_group(param_group)
@@ -164,6 +161,15 @@ class AdamW8bit(AdamW):
             raise ValueError(f"param group optim_bits must be 8 or 32, got {group['optim_bits']!r}")
         if group.get("amsgrad"):
             raise ValueError(f"{type(self).__name__} does not support amsgrad=True")
+
+    _PICKLED = {**AdamW._PICKLED,
+                "_8bit_defaults": dict(block_size=256, min_8bit_size=4096, optim_bits=8)}
+
+    def _register_hooks(self) -> None:
+        super()._register_hooks()
+        self.register_state_dict_post_hook(_add_format)
+        self.register_load_state_dict_pre_hook(_check_and_stash_8bit, prepend=True)
+        self.register_load_state_dict_post_hook(_restore_8bit)
 
     def __setstate__(self, state):
         super().__setstate__(state)
