@@ -10,6 +10,7 @@ from mpfused import _extension
 from mpfused import quant_maps as qm
 from mpfused.ops import OPS
 from mpfused.ops.bound import BoundOp
+from tests.conftest import DEVICES
 from tests.test_adam_kernels import (ARG_ORDER, BF16, F16, F32, FP32_MASTER, HYPER, KEYS, NONE,
                                      REMAINDER, STOCHASTIC, bits_equal, clone_state, make_state)
 
@@ -45,20 +46,27 @@ def _assert_same(a, b):
             assert bits_equal(x, y), k
 
 
+def _native_on(dev: str, op: str):
+    if not OPS[op].native_available(dev):
+        pytest.skip(f"no native {op} kernel for {dev} in this build")
+
+
 @needs_native
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("dtype,mode,amsgrad", ADAM_CASES,
                          ids=[f"{str(d)[6:]}-m{m}-ams{int(a)}" for d, m, a in ADAM_CASES])
-def test_bound_adam_step_equals_plain_call(dtype, mode, amsgrad):
-    s = make_state(SHAPES, dtype, mode, amsgrad, "cpu")
+def test_bound_adam_step_equals_plain_call(dev, dtype, mode, amsgrad):
+    _native_on(dev, "adam_step_")
+    s = make_state(SHAPES, dtype, mode, amsgrad, dev)
     # a transposed (dense, non-contiguous) param: its moments share its strides
     for k in ("params", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "masters"):
         if s[k]:
             s[k][4] = s[k][4].t().contiguous().t()
     assert not s["params"][4].is_contiguous()
     plain, bound = clone_state(s), clone_state(s)
-    rest = _adam_rest(amsgrad=amsgrad, master_mode=mode, grad_scale=torch.tensor(4.0),
-                      found_inf=torch.zeros(()), norm_sq=torch.tensor(9.0), max_grad_norm=1.0,
-                      seed=11)
+    rest = _adam_rest(amsgrad=amsgrad, master_mode=mode, grad_scale=torch.tensor(4.0, device=dev),
+                      found_inf=torch.zeros((), device=dev), norm_sq=torch.tensor(9.0, device=dev),
+                      max_grad_norm=1.0, seed=11)
     call = BoundOp(_NoPlainCall(OPS["adam_step_"]), _adam_lists(bound))
     for _ in range(3):
         OPS["adam_step_"](*(plain[k] for k in KEYS), *rest, backend="native")
@@ -68,13 +76,15 @@ def test_bound_adam_step_equals_plain_call(dtype, mode, amsgrad):
     # found_inf > 0: nothing changes, step counters included
     before = clone_state(bound)
     call(bound["grads"], *_adam_rest(amsgrad=amsgrad, master_mode=mode,
-                                     found_inf=torch.ones(())), backend="native")
+                                     found_inf=torch.ones((), device=dev)), backend="native")
     _assert_same(before, bound)
 
 
 @needs_native
+@pytest.mark.parametrize("dev", DEVICES)
 @pytest.mark.parametrize("dtype,mode", [(F32, 0), (BF16, 1), (BF16, 2), (F16, 0)])
-def test_bound_adam8bit_step_equals_plain_call(dtype, mode):
+def test_bound_adam8bit_step_equals_plain_call(dev, dtype, mode):
+    _native_on(dev, "adam8bit_step_")
     block = 256
     sizes = [700, 256, 1, 0, 4099]
     states = []
@@ -94,10 +104,11 @@ def test_bound_adam8bit_step_equals_plain_call(dtype, mode):
             elif mode == 2:
                 lists[6].append(torch.randint(-2**15, 2**15, (n,), generator=gen, dtype=torch.int16))
             lists[7].append(torch.full((), 4.0))
-        states.append(lists)
+        states.append([[t.to(dev) for t in ts] for ts in lists])
     plain, bound = states
-    rest = (qm.signed_map(), qm.unsigned_map(), block, 1e-3, None, 0.9, 0.999, 1e-8, 1e-2, False,
-            True, mode, torch.tensor(2.0), torch.zeros(()), torch.tensor(4.0), 1.0, 7)
+    rest = (qm.signed_map(dev), qm.unsigned_map(dev), block, 1e-3, None, 0.9, 0.999, 1e-8, 1e-2,
+            False, True, mode, torch.tensor(2.0, device=dev), torch.zeros((), device=dev),
+            torch.tensor(4.0, device=dev), 1.0, 7)
     call = BoundOp(_NoPlainCall(OPS["adam8bit_step_"]), [bound[0]] + bound[2:])
     for _ in range(2):
         OPS["adam8bit_step_"](*plain, *rest, backend="native")
@@ -137,10 +148,12 @@ def test_bound_lists_reject_wrong_binding():
 
 @needs_native
 @pytest.mark.parametrize("cls", [mpfused.AdamW, mpfused.AdamW8bit])
-def test_optimizers_step_through_bound_lists(cls):
-    model = torch.nn.Sequential(torch.nn.Linear(80, 64), torch.nn.Linear(64, 3))
+@pytest.mark.parametrize("dev", DEVICES)
+def test_optimizers_step_through_bound_lists(dev, cls):
+    _native_on(dev, "adam_step_")
+    model = torch.nn.Sequential(torch.nn.Linear(80, 64), torch.nn.Linear(64, 3)).to(dev)
     opt = cls(model.parameters(), lr=1e-3)
-    model(torch.randn(4, 80)).sum().backward()
+    model(torch.randn(4, 80, device=dev)).sum().backward()
     opt.step()
     buckets = [b for plan in opt._plans.values() for b in plan.buckets]
     assert buckets and all(isinstance(b.state["step_"]._native, torch.ScriptObject) for b in buckets)
