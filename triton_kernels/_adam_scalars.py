@@ -1,7 +1,7 @@
 """Per-tensor scalars and the master-mode weight load/store of an Adam(W) step, shared by the
 Triton Adam kernels
 (csrc/include/mpfused/adam_math.h::adam_scalars): lr, betas, eps as fp32, the bias-corrected step
-size, sqrt(1 - beta2^t), the gradient multiplier (unscale, clip, maximize) and the decoupled /
+size, 1 / sqrt(1 - beta2^t), the gradient multiplier (unscale, clip, maximize) and the decoupled /
 L2 weight decay, and the step number t. Read on the device: nothing here syncs with the host."""
 import triton
 import triton.language as tl
@@ -41,7 +41,7 @@ def adam_scalars(step_ptr, lr_ptr, scale_ptr, norm_ptr, lr, beta1, beta1_lo, bet
         x2 = x2 * x2
         e = e >> 1
     step_size = (lr32.to(tl.float64) / (1.0 - pw1)).to(tl.float32)
-    bc2_sqrt = tl.sqrt(1.0 - pw2).to(tl.float32)
+    inv_bc2_sqrt = (1.0 / tl.sqrt(1.0 - pw2)).to(tl.float32)
     gm = tl.full((), 1.0, tl.float32)
     if HAS_SCALE:
         gm = tl.div_rn(gm, tl.load(scale_ptr).to(tl.float32))
@@ -62,7 +62,7 @@ def adam_scalars(step_ptr, lr_ptr, scale_ptr, norm_ptr, lr, beta1, beta1_lo, bet
     else:
         decay = tl.full((), 0.0, tl.float32)
         l2 = wd
-    return ti, lr32, b1, b2, eps32, step_size, bc2_sqrt, gm, decay, l2
+    return ti, lr32, b1, b2, eps32, step_size, inv_bc2_sqrt, gm, decay, l2
 
 
 @triton.jit

@@ -6,8 +6,8 @@ inside the kernel. A program returns at once when found_inf > 0, and the step co
 (found_inf <= 0) with one foreach op, so a skipped step changes nothing at all.
 
 Numerics, as the CPU kernel (csrc/cpu/adam_cpu.cpp): per-tensor scalars formed once per program
-(fp32 lr, eps, weight decay; step_size = fp32(lr / (1 - beta1^t)) and bc2_sqrt =
-fp32(sqrt(1 - beta2^t)) in fp64; grad_mult = fp32 1/grad_scale times the fp64 clip coefficient
+(fp32 lr, eps, weight decay; step_size = fp32(lr / (1 - beta1^t)) and inv_bc2_sqrt =
+fp32(1 / sqrt(1 - beta2^t)) in fp64; grad_mult = fp32 1/grad_scale times the fp64 clip coefficient
 rounded to fp32, negated for maximize), then the per-element math in fp32 in adam_element's order,
 with correctly rounded sqrt and division and no FMA contraction (enable_fp_fusion=False: compiled
 and interpreted runs round alike). One deliberate difference: beta^t uses the fp64 betas (torch's
@@ -52,7 +52,7 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, step_ptr, lr_
             return
 
     # ---- per-tensor scalars (adam_math.h::adam_scalars) ---------------------------------------
-    ti, lr32, b1, b2, eps32, step_size, bc2_sqrt, gm, decay, l2 = adam_scalars(
+    ti, lr32, b1, b2, eps32, step_size, inv_bc2_sqrt, gm, decay, l2 = adam_scalars(
         step_ptr, lr_ptr, scale_ptr, norm_ptr, lr, beta1, beta1_lo, beta2, beta2_lo, eps,
         weight_decay, mgn_hi, mgn_lo, HAS_LR, HAS_SCALE, HAS_NORM, MAXIMIZE, DECOUPLED)
     one_m_b1 = 1.0 - b1
@@ -77,7 +77,7 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, step_ptr, lr_
         vmax = tl.load(vmax_ptr + offs, mask=mask, other=0.0)
         vv = tl.where(vmax > v, vmax, v)  # max_f32
         tl.store(vmax_ptr + offs, vv, mask=mask)
-    denom = tl.div_rn(tl.sqrt_rn(vv), bc2_sqrt) + eps32
+    denom = tl.sqrt_rn(vv) * inv_bc2_sqrt + eps32
     w = w - tl.div_rn(step_size * m, denom)
 
     tl.store(m_ptr + offs, m, mask=mask)

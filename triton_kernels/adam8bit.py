@@ -55,7 +55,7 @@ def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_p
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit indexing
     mask = offs < n
     # ---- per-tensor scalars (adam_math.h::adam_scalars), shared with triton_kernels/adam.py ----
-    ti, lr32, b1, b2, eps32, step_size, bc2_sqrt, gm, decay, l2 = adam_scalars(
+    ti, lr32, b1, b2, eps32, step_size, inv_bc2_sqrt, gm, decay, l2 = adam_scalars(
         step_ptr, lr_ptr, scale_ptr, norm_ptr, lr, beta1, beta1_lo, beta2, beta2_lo, eps,
         weight_decay, mgn_hi, mgn_lo, HAS_LR, HAS_SCALE, HAS_NORM, MAXIMIZE, DECOUPLED)
     # ---- fp32 value of the param ----
@@ -72,7 +72,7 @@ def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_p
     w = w - decay * w
     m = m + (1.0 - b1) * (g - m)
     v = b2 * v + (1.0 - b2) * (g * g)
-    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps32
+    denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps32
     w = w - tl.div_rn(step_size * m, denom)
     # ---- store the param ----
     store_weight(w, p_ptr, w_ptr, offs, mask, seed, ti, slot, DT, MODE)
