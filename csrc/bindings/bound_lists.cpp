@@ -1,5 +1,5 @@
 // BoundLists (torch.classes.mpfused.BoundLists): the operand lists of an optimizer bucket other
-// than its grads, converted from Python once, when the bucket is built. A step then converts only
+// than its grads, converted from Python once, on the bucket's first step. A step then converts only
 // its grads: with 10,000 small tensors, turning the op's Python tensor lists into C++ ones costs
 // ~145 ns per tensor, 70% of a plain op call. The methods call the declared ops (adam_step_,
 // adam8bit_step_) unboxed through the dispatcher, so the kernel serving them is whichever native
