@@ -68,18 +68,21 @@ class GradScaler(torch.amp.GradScaler):
                                               device=dev)
 
     # ---- the fused check --------------------------------------------------------------------
-    def _grads_by_device(self, optimizer, allow_fp16: bool) -> tuple[dict, bool]:
+    def _grads_by_device(self, optimizer, allow_fp16: bool,
+                         group_grads: list | None = None) -> tuple[dict, bool]:
         """({device: {shard groups: [local grads]}}, whether any grad is a DTensor): DTensor
         grads (FSDP2) as their local shards, split by the process groups their shards differ over
         (``()`` for plain tensors), so each part's sum of squares can be SUM-reduced over the
-        right ranks."""
+        right ranks. group_grads: each group's ``p.grad`` list, when the caller has it."""
         by_device: dict[torch.device, dict] = defaultdict(dict)
         any_dtensor = False
         # mpfused optimizers refuse a group that spans devices, and a grad is on its param's
         # device (torch checks on assignment): reading one device per group is enough.
         one_device = getattr(optimizer, "_one_device_per_group", False)
-        for group in optimizer.param_groups:
-            grads = [g for g in [p.grad for p in group["params"]] if g is not None]
+        if group_grads is None:
+            group_grads = _group_grads(optimizer)
+        for group, present in zip(optimizer.param_groups, group_grads):
+            grads = [g for g in present if g is not None]
             if not grads:
                 continue
             # The usual group, checked with built-ins at C speed (a Python loop over 10,000
@@ -114,14 +117,15 @@ class GradScaler(torch.amp.GradScaler):
         return by_device, any_dtensor
 
     def _fused_check(self, optimizer, inv_scale, found_inf, *, write_back: bool,
-                     allow_fp16: bool, norm_sq: torch.Tensor | None = None):
+                     allow_fp16: bool, norm_sq: torch.Tensor | None = None,
+                     group_grads: list | None = None):
         """found_inf (MAX-reduced across ranks when distributed) per device, and norm_sq of the
         unscaled grads (the global one: sharded parts SUM-reduced over their shard groups)."""
         per_device: dict[torch.device, torch.Tensor] = {}
         norm_parts: dict[tuple, torch.Tensor] = {}
         op = amp_ops.unscale_grads_ if write_back else amp_ops.check_grads
         with torch.no_grad():
-            by_device, any_dtensor = self._grads_by_device(optimizer, allow_fp16)
+            by_device, any_dtensor = self._grads_by_device(optimizer, allow_fp16, group_grads)
             for device, parts in by_device.items():
                 dev_found = torch.zeros((), dtype=torch.float32, device=device)
                 dev_inv = inv_scale.to(device, non_blocking=True)
@@ -144,7 +148,7 @@ class GradScaler(torch.amp.GradScaler):
         return self._fused_check(optimizer, inv_scale, found_inf, write_back=True,
                                  allow_fp16=allow_fp16)
 
-    def _check_inf_per_device(self, optimizer):
+    def _check_inf_per_device(self, optimizer, group_grads: list | None = None):
         # Read-only: the optimizer unscales in registers; also yields the clipping norm.
         scale, _ = self._check_scale_growth_tracker("_check_inf_per_device")
         state = self._per_optimizer_states[id(optimizer)]
@@ -153,7 +157,8 @@ class GradScaler(torch.amp.GradScaler):
             norm_sq = torch.zeros((), dtype=torch.float32, device=scale.device)
         inv_scale = scale.double().reciprocal().float()
         state["found_inf_per_device"] = self._fused_check(
-            optimizer, inv_scale, None, write_back=False, allow_fp16=True, norm_sq=norm_sq)
+            optimizer, inv_scale, None, write_back=False, allow_fp16=True, norm_sq=norm_sq,
+            group_grads=group_grads)
         state["norm_sq"] = norm_sq
         return state["found_inf_per_device"]
 
@@ -188,8 +193,10 @@ class GradScaler(torch.amp.GradScaler):
             raise RuntimeError("step() has already been called since the last update().")
         if "grad_scaler" in _step_params(optimizer):
             return super().step(optimizer, *args, **kwargs)  # legacy protocol: torch's path
+        group_grads = None
         if state["stage"] is OptState.READY:
-            self._check_inf_per_device(optimizer)
+            group_grads = _group_grads(optimizer)
+            self._check_inf_per_device(optimizer, group_grads)
         scale = self._get_scale_async()
         # No grads at all: torch's fused path steps with found_inf 0 (update() then raises).
         found_inf = (_max_on(state["found_inf_per_device"].values(), scale.device)
@@ -198,10 +205,14 @@ class GradScaler(torch.amp.GradScaler):
                                 else scale * getattr(optimizer, "grad_scale", 1))
         optimizer.found_inf = found_inf
         optimizer.grad_norm_sq = state.get("norm_sq")
+        # The grads the check just read (None when unscale_ ran earlier: they may have been
+        # replaced since): mpfused optimizers skip gathering them again (1.2 ms per 10,000 params).
+        optimizer.checked_group_grads = group_grads
         try:
             retval = optimizer.step(*args, **kwargs)
         finally:
-            del optimizer.grad_scale, optimizer.found_inf, optimizer.grad_norm_sq
+            del (optimizer.grad_scale, optimizer.found_inf, optimizer.grad_norm_sq,
+                 optimizer.checked_group_grads)
         state["stage"] = OptState.STEPPED
         return retval
 
@@ -265,6 +276,11 @@ class GradScaler(torch.amp.GradScaler):
 
     def get_max_scale(self) -> float | None:
         return self._max_scale
+
+
+def _group_grads(optimizer) -> list[list]:
+    """Each param group's ``p.grad`` list (None where a param has no grad)."""
+    return [[p.grad for p in group["params"]] for group in optimizer.param_groups]
 
 
 _PLAIN = {torch.Tensor}

@@ -538,3 +538,40 @@ def test_graph_capture_step_update():
     assert scales == [8.0, 4.0, 8.0, 4.0]
     assert steps == [2.0, 2.0, 3.0, 3.0]
     assert torch.isfinite(p.float()).all()
+
+
+def test_step_hands_the_checked_grads_to_the_optimizer():
+    """scaler.step reads each group's grads once for its check and hands those lists to mpfused
+    optimizers, which step with them (no second gather); after unscale_ it hands none (grads may
+    have changed)."""
+    seen = []
+
+    class Recording(mpfused.AdamW):
+        def step(self, closure=None):
+            handed = getattr(self, "checked_group_grads", None)
+            seen.append(handed)
+            if handed is not None:  # zero grads, fresh state: a step using them moves nothing
+                self.checked_group_grads = [[None if g is None else torch.zeros_like(g)
+                                             for g in gs] for gs in handed]
+            return super().step(closure)
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+    params = list(model.parameters())
+    before = [p.detach().clone() for p in params]
+    opt = Recording([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2, weight_decay=0.0)
+    scaler = mpfused.GradScaler("cpu", init_scale=4.0)
+    for unscale_first in (False, True):
+        scaler.scale(model(torch.randn(3, 6)).sum()).backward()
+        params[3].grad = None  # a param without a grad keeps its place as None
+        if unscale_first:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        if not unscale_first:
+            assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert not all(torch.equal(p, b) for p, b in zip(params[:3], before))  # real grads move them
+    handed, after_unscale = seen
+    assert after_unscale is None
+    assert [[g is None for g in gs] for gs in handed] == [[False, False], [False, True]]
+    assert not hasattr(opt, "checked_group_grads")

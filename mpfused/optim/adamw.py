@@ -198,7 +198,8 @@ class AdamW(Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         norm_sq = getattr(self, "grad_norm_sq", None)
-        all_grads = [[p.grad for p in g["params"]] for g in self.param_groups]
+        all_grads = (getattr(self, "checked_group_grads", None)  # set by mpfused.GradScaler
+                     or [[p.grad for p in g["params"]] for g in self.param_groups])
         if self.max_grad_norm and norm_sq is None:
             norm_sq, found_inf = self._own_norm(all_grads, grad_scale, found_inf)
         for index, group in enumerate(self.param_groups):
