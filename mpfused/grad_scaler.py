@@ -11,8 +11,11 @@ changes:
 * with an optimizer that unscales in its own kernel (``_step_supports_amp_scaling``, set by
   mpfused optimizers) ``step`` runs a read-only check pass (torch's writes every grad back) that
   also yields the grad norm when the optimizer asks for fused clipping (``max_grad_norm``);
-  no host sync on that path. With any other optimizer ``step`` keeps torch's behaviour, which
-  reads found_inf on the host (one sync per step);
+  no host sync on that path. For the optimizer's step it sets ``grad_scale``, ``found_inf``
+  (torch's protocol), ``grad_norm_sq`` and ``checked_group_grads`` (each group's ``p.grad``
+  list as the check read it, so the optimizer does not gather the grads again). With any other
+  optimizer ``step`` keeps torch's behaviour, which reads found_inf on the host (one sync per
+  step);
 * found_inf from several devices or optimizers is combined with MAX, never SUM, so it is 0 or 1;
 * ``update`` is one small device op; opt-in extras: ``hysteresis`` (back off only after N
   consecutive overflows, as DeepSpeed/Megatron), ``min_scale`` and ``max_scale``;
