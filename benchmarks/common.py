@@ -43,7 +43,9 @@ def median_time(fn, device: str, warmup: int = 3, reps: int = 15) -> float:
 def side_by_side(fns: dict, device: str, warmup: int = 3, reps: int = 21) -> dict:
     """Median seconds of each fn, timed round-robin (a, b, c, a, b, c, ...) so that drift in the
     machine (other tenants, frequency, what the shared cache holds) hits every contender alike.
-    The order inside a round rotates every round: nobody always runs right after the same one."""
+    The order inside a round rotates every round and is reversed every other cycle of rotations:
+    rotation alone keeps the cyclic order, so each contender would mostly run right after the
+    same one (after a cache-thrashing foreach step, say: 2/3 of the rounds with 3 contenders)."""
     names = list(fns)
     for _ in range(warmup):
         for n in names:
@@ -51,7 +53,10 @@ def side_by_side(fns: dict, device: str, warmup: int = 3, reps: int = 21) -> dic
     times = {n: [] for n in names}
     for r in range(reps):
         k = r % len(names)
-        for n in names[k:] + names[:k]:
+        order = names[k:] + names[:k]
+        if (r // len(names)) % 2:
+            order.reverse()
+        for n in order:
             times[n].append(median_time(fns[n], device, warmup=0, reps=1))
     return {n: statistics.median(t) for n, t in times.items()}
 
