@@ -40,23 +40,26 @@ def median_time(fn, device: str, warmup: int = 3, reps: int = 15) -> float:
     return statistics.median(times)
 
 
+def round_order(names: list, r: int) -> list:
+    """The order of round r of a round-robin: rotated every round and reversed every other cycle
+    of rotations (rotation alone keeps the cyclic order, so each contender would mostly run right
+    after the same one: after a cache-thrashing step, say, in 2 of 3 rounds with 3 contenders)."""
+    k = r % len(names)
+    order = names[k:] + names[:k]
+    return order[::-1] if (r // len(names)) % 2 else order
+
+
 def side_by_side(fns: dict, device: str, warmup: int = 3, reps: int = 21) -> dict:
     """Median seconds of each fn, timed round-robin (a, b, c, a, b, c, ...) so that drift in the
     machine (other tenants, frequency, what the shared cache holds) hits every contender alike.
-    The order inside a round rotates every round and is reversed every other cycle of rotations:
-    rotation alone keeps the cyclic order, so each contender would mostly run right after the
-    same one (after a cache-thrashing foreach step, say: 2/3 of the rounds with 3 contenders)."""
+    The order inside a round changes every round (round_order)."""
     names = list(fns)
     for _ in range(warmup):
         for n in names:
             fns[n]()
     times = {n: [] for n in names}
     for r in range(reps):
-        k = r % len(names)
-        order = names[k:] + names[:k]
-        if (r // len(names)) % 2:
-            order.reverse()
-        for n in order:
+        for n in round_order(names, r):
             times[n].append(median_time(fns[n], device, warmup=0, reps=1))
     return {n: statistics.median(t) for n, t in times.items()}
 

@@ -35,7 +35,7 @@ done
 step "micro-benchmarks"
 timeout 240 python3 -m benchmarks.bench_scaler --device cuda --totals 10000000,1000000000 --counts 1,100,10000 >"$out/bench_scaler.log" 2>&1
 timeout 240 python3 -m benchmarks.bench_adamw --device cuda --totals 1000000,10000000,100000000 --counts 1,100,10000 >"$out/bench_adamw.log" 2>&1
-[ -f benchmarks/bench_adamw8bit.py ] && timeout 180 python3 benchmarks/bench_adamw8bit.py --device cuda >"$out/bench_adamw8bit.log" 2>&1
+timeout 240 python3 -m benchmarks.bench_adamw8bit --device cuda --out "$out" >"$out/bench_adamw8bit.log" 2>&1
 cp benchmarks/results/*.json "$out/" 2>/dev/null
 
 step "main job"
