@@ -204,6 +204,21 @@ def test_plan_rebuilt_when_params_change():
     params[1].grad = torch.randn(4)
     opt.step()
     assert opt._plans[0] is not plan and opt.state[params[1]]["step"].item() == 1
+    params[2].grad = torch.randn(4)
+    opt.step()
+    plan = opt._plans[0]  # every param has a grad
+    opt.step()
+    assert opt._plans[0] is plan  # nothing changed: the plan is reused
+    params[1].grad = None  # a grad dropped from an all-grads plan
+    opt.step()
+    assert opt._plans[0] is not plan and opt.state[params[1]]["step"].item() == 3  # not stepped
+    assert opt.state[params[0]]["step"].item() == 5
+    plan = opt._plans[0]
+    swapped = torch.nn.Parameter(torch.randn(4))  # a param replaced in place in the group's list
+    swapped.grad = torch.randn(4)
+    opt.param_groups[0]["params"][1] = swapped
+    opt.step()
+    assert opt._plans[0] is not plan and opt.state[swapped]["step"].item() == 1
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -28,7 +28,7 @@ from mpfused.distributed import (all_reduce_, found_inf_groups, reduce_norm_part
 from mpfused.ops import adam as adam_ops
 from mpfused.ops import amp as amp_ops
 from mpfused.ops.bound import BoundOp
-from mpfused.optim._buckets import GroupPlan, build_buckets, plan_key
+from mpfused.optim._buckets import GroupPlan, build_buckets
 
 __all__ = ["AdamW", "Adam", "MASTER_MODES"]
 
@@ -154,16 +154,16 @@ class AdamW(Optimizer):
 
     def _plan(self, index: int, group, grads) -> GroupPlan:
         params = group["params"]
-        key = plan_key(params, grads, (group["amsgrad"], group["master_weights"]))
+        extra = (group["amsgrad"], group["master_weights"])
         plan = self._plans.get(index)
-        if plan is not None and plan.key == key:
+        if plan is not None and plan.matches(params, grads, extra):
             return plan
         buckets = build_buckets(params, grads)
         for b in buckets:
             for p in b.params:
                 self._init_state(group, p)
             self._fill_bucket(group, b)
-        plan = GroupPlan(key=key, buckets=buckets)
+        plan = GroupPlan.of(params, grads, extra, buckets)
         self._plans[index] = plan
         return plan
 

@@ -69,7 +69,7 @@ import torch
 from mpfused.distributed import all_reduce_, is_dtensor, mesh_groups
 from mpfused.ops import adam8bit as adam8bit_ops
 from mpfused.ops.bound import BoundOp
-from mpfused.optim._buckets import Bucket, GroupPlan, build_buckets, plan_key
+from mpfused.optim._buckets import Bucket, GroupPlan, build_buckets
 from mpfused.optim.adamw import MASTER_MODES, AdamW, _local
 from mpfused.quant_maps import (SIGNED_ZERO_CODE, dequantize_blockwise, encode, inv_scale,
                                 num_blocks, quantize_blockwise, signed_map, unsigned_map,
@@ -234,11 +234,10 @@ class AdamW8bit(AdamW):
     # ---- kernel plan: 8-bit and fp32-state params in separate buckets ---------------------------
     def _plan(self, index: int, group, grads) -> GroupPlan:
         params = group["params"]
-        key = plan_key(params, grads, (group["master_weights"], group["optim_bits"],
-                                       group["block_size"], group["min_8bit_size"],
-                                       _OVERRIDES[0]))
+        extra = (group["master_weights"], group["optim_bits"], group["block_size"],
+                 group["min_8bit_size"], _OVERRIDES[0])
         plan = self._plans.get(index)
-        if plan is not None and plan.key == key:
+        if plan is not None and plan.matches(params, grads, extra):
             return plan
         kept = _kept_32bit_ids()
         buckets = []
@@ -257,7 +256,7 @@ class AdamW8bit(AdamW):
             for want, sub in sorted(split.items(), key=lambda kv: kv[0]):
                 self._fill_bucket(group, sub, want)
                 buckets.append(sub)
-        plan = GroupPlan(key=key, buckets=buckets)
+        plan = GroupPlan.of(params, grads, extra, buckets)
         self._plans[index] = plan
         return plan
 
