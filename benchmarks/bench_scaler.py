@@ -1,5 +1,6 @@
 """Check + unscale throughput: mpfused (fused, all dtypes in one call; read-only check variant)
-against torch._amp_foreach_non_finite_check_and_unscale_ on the same grads.
+against torch._amp_foreach_non_finite_check_and_unscale_ on the same grads, timed side by side
+(benchmarks.common.side_by_side: round-robin, so machine drift hits all three alike).
 
     python benchmarks/bench_scaler.py [--device cpu|cuda] [--totals 10000000,...] [--counts 1,100,10000]
 """
@@ -9,7 +10,7 @@ import argparse
 
 import torch
 
-from benchmarks.common import copy_bandwidth, median_time, print_table, split_sizes, write_results
+from benchmarks.common import copy_bandwidth, print_table, side_by_side, split_sizes, write_results
 from mpfused.ops import amp as amp_ops
 
 
@@ -33,21 +34,25 @@ def main(argv=None):
                 inv = torch.ones((), device=dev)  # 1.0 keeps values stable across repetitions
                 nbytes = total * grads[0].element_size()
                 row = {"total": total, "tensors": count, "dtype": name}
-                t = median_time(lambda: amp_ops.unscale_grads_(grads, found, inv), dev)
-                row["mpfused_unscale_ms"] = t * 1e3
-                row["mpfused_unscale_bw_frac"] = 2 * nbytes / t / bw
-                t = median_time(lambda: amp_ops.check_grads(grads, found, inv), dev)
-                row["mpfused_check_ms"] = t * 1e3
-                row["mpfused_check_bw_frac"] = nbytes / t / bw
+                fns = {"unscale": lambda: amp_ops.unscale_grads_(grads, found, inv),
+                       "check": lambda: amp_ops.check_grads(grads, found, inv)}
+                torch_fn = lambda: torch._amp_foreach_non_finite_check_and_unscale_(  # noqa: E731
+                    grads, found, inv)
                 try:
-                    t = median_time(lambda: torch._amp_foreach_non_finite_check_and_unscale_(
-                        grads, found, inv), dev)
-                    row["torch_ms"] = t * 1e3
-                    row["speedup_unscale"] = row["torch_ms"] / row["mpfused_unscale_ms"]
-                    row["speedup_check"] = row["torch_ms"] / row["mpfused_check_ms"]
+                    torch_fn()
+                    fns["torch"] = torch_fn
                 except RuntimeError as exc:  # torch's CUDA kernel rejects bf16
                     row["torch_ms"] = None
                     row["torch_error"] = str(exc).splitlines()[0][:80]
+                t = side_by_side(fns, dev)
+                row["mpfused_unscale_ms"] = t["unscale"] * 1e3
+                row["mpfused_unscale_bw_frac"] = 2 * nbytes / t["unscale"] / bw
+                row["mpfused_check_ms"] = t["check"] * 1e3
+                row["mpfused_check_bw_frac"] = nbytes / t["check"] / bw
+                if "torch" in t:
+                    row["torch_ms"] = t["torch"] * 1e3
+                    row["speedup_unscale"] = row["torch_ms"] / row["mpfused_unscale_ms"]
+                    row["speedup_check"] = row["torch_ms"] / row["mpfused_check_ms"]
                 rows.append(row)
                 print_table([row], list(row))
     cols = ["total", "tensors", "dtype", "torch_ms", "mpfused_unscale_ms", "speedup_unscale",
