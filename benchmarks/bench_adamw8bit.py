@@ -76,6 +76,10 @@ def _model(numel: int, device: str, seed: int = 0):
     return params
 
 
+def _p10(times: list) -> float:
+    return statistics.quantiles(times, n=10)[0] if len(times) > 1 else times[0]
+
+
 def _timed_step(opt, device: str) -> tuple[float, float]:
     """(wall seconds, process CPU seconds) of one opt.step()."""
     if device == "cuda":
@@ -160,7 +164,7 @@ def bench(sizes, steps, rounds, warmup, device):
             limit = numel * _moved_bytes_per_param(name) / bandwidth
             rows.append(dict(
                 optimizer=name, device=device, params=numel, tensors=len(r["params"]),
-                median_ms=med * 1e3, p10_ms=statistics.quantiles(r["times"], n=10)[0] * 1e3,
+                median_ms=med * 1e3, p10_ms=_p10(r["times"]) * 1e3,
                 mparam_per_s=numel / med / 1e6, vs_torch_fused=med / ref,
                 cpu_ms=statistics.median(r["cpu"]) * 1e3,
                 cpu_vs_torch_fused=statistics.median(r["cpu"]) / ref_cpu,
@@ -177,7 +181,7 @@ def bench(sizes, steps, rounds, warmup, device):
     return rows
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--sizes", type=float, nargs="+", default=None,
@@ -187,7 +191,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=RESULTS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     sizes = args.sizes or ([1e6, 1e7, 1e8] if args.device == "cuda" else [1e6, 1e7])
@@ -217,6 +221,7 @@ def main():
         w.writeheader()
         w.writerows(rows)
     print(f"wrote {stem}.json and .csv")
+    return stem + ".json"
 
 
 if __name__ == "__main__":

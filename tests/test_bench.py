@@ -51,3 +51,21 @@ def test_state_bytes_count_shared_storage_once():
     counted = training_state_bytes(model, optimizer, scaler)
     assert counted["weights"] == counted["grads"] == 8 * 8 * 4
     assert counted["optimizer_state"] == 0 and counted["total"] == 2 * 8 * 8 * 4
+
+
+def test_bench_adamw8bit_tiny_run(tmp_path):
+    """benchmarks/bench_adamw8bit.py end to end at a tiny size: every optimizer row, the
+    bytes-moved limit, and mpfused's 8-bit state within the issue's 2.05 B/param."""
+    from benchmarks.bench_adamw8bit import main as bench8
+
+    path = bench8(["--device", "cpu", "--sizes", "3e5", "--rounds", "1", "--steps", "2",
+                   "--warmup", "1", "--out", str(tmp_path)])
+    result = json.loads(open(path).read())
+    rows = {r["optimizer"]: r for r in result["results"]}
+    assert {"mpfused.AdamW8bit", "torch.AdamW(fused)", "mpfused.AdamW"} <= set(rows)
+    assert result["meta"]["device_type"] == "cpu"
+    for name, r in rows.items():
+        assert r["median_ms"] > 0 and r["x_limit"] > 0 and r["steps_timed"] == 2, name
+        assert r["moved_bytes_per_param"] == (16 + 4 * 4 / 256 if "8bit" in name else 28), name
+    assert rows["mpfused.AdamW8bit"]["state_bytes_per_param_large"] <= 2.05
+    assert 8.0 <= rows["torch.AdamW(fused)"]["state_bytes_per_param_large"] < 8.01  # + step counters
