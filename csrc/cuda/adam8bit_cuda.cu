@@ -34,9 +34,9 @@
 // Shared memory 37.7 KB (32 KB of parked moments); 64 registers (sm_90): two blocks per SM, so
 // one block's setup and reduction overlap the other's memory traffic.
 //
-// The block algorithm takes the thread index, barriers and warp shuffles from an `Ex` policy, so
-// tests/test_cuda_compile.py runs this exact code on the host (MPF_Q8_HOST_EMULATION: a
-// cooperative emulation of one 512-thread block) and compares it bit for bit with the CPU kernel.
+// tests/cuda_emulation/adam8bit_vs_cpu.cpp runs this file unchanged on the host (every block as
+// 512 cooperative threads, tests/cuda_emulation/cuda_runtime.h) and compares it byte for byte
+// with the CPU kernel.
 #include "adam8bit_cuda.h"
 
 #include "mpfused/quant8_math.h"
@@ -140,12 +140,10 @@ __host__ __device__ __forceinline__ void tensor_scalars(const MtaChunk<kAdam8bit
 
 // One chunk (whole quantization blocks) of one tensor, run by all kBlockSize threads of a block.
 // T / MODE: the effective storage type and master mode (cpu::pick_kernel's choice).
-#pragma nv_exec_check_disable
-template <class Ex, typename T, int MODE>
-__host__ __device__ __forceinline__ void run_chunk(const Ex& ex, Shared& sh,
-                                                   const MtaChunk<kAdam8bitDepth>& c,
-                                                   const Adam8bitConfig& cfg) {
-  const int tid = ex.tid();
+template <typename T, int MODE>
+__device__ __forceinline__ void run_chunk(Shared& sh, const MtaChunk<kAdam8bitDepth>& c,
+                                          const Adam8bitConfig& cfg) {
+  const int tid = int(threadIdx.x);
   const int lane = tid % kWarp, warp = tid / kWarp;
   // Chunk-local indices fit in int (n <= kChunk); the block size is a power of two.
   const int n = int(c.n);
@@ -166,7 +164,7 @@ __host__ __device__ __forceinline__ void run_chunk(const Ex& ex, Shared& sh,
     if (tid < kQuantCodes) sh.map1[i] = cfg.map1[i];
     else sh.map2[i] = cfg.map2[i];
   }
-  ex.sync();
+  __syncthreads();
   bool ok = true;
   {
     const int i = tid % kQuantCodes;
@@ -181,7 +179,7 @@ __host__ __device__ __forceinline__ void run_chunk(const Ex& ex, Shared& sh,
     // +0 of map 1: unique when the map is sorted (else the block bails out below).
     if (tid < kQuantCodes && map[i] == 0.f && (f32_bits(map[i]) >> 31) == 0u) sh.zero_code = i;
   }
-  const bool maps_ok = ex.sync_and(ok);
+  const bool maps_ok = __syncthreads_and(int(ok)) != 0;
   const int32_t zc = sh.zero_code;
   if (!maps_ok || zc <= 0) {  // uniform: poison this chunk's absmax, write nothing else
     if (tid < nq) {
@@ -272,8 +270,8 @@ __host__ __device__ __forceinline__ void run_chunk(const Ex& ex, Shared& sh,
     // Stage A (every lane, in or out of range: out of range counts as 0): butterfly over the
     // lanes of one quantization block (B <= 128) or of the whole warp (128 elements).
     for (int off = seg / 2; off > 0; off /= 2) {
-      x1 = umax(x1, ex.shfl_xor(x1, off));
-      x2 = umax(x2, ex.shfl_xor(x2, off));
+      x1 = umax(x1, __shfl_xor_sync(0xffffffffu, x1, off));
+      x2 = umax(x2, __shfl_xor_sync(0xffffffffu, x2, off));
     }
     if (B <= int(kWarpElems)) {
       if (lane % seg == 0) {  // first lane of its quantization block: the block's max
@@ -285,22 +283,22 @@ __host__ __device__ __forceinline__ void run_chunk(const Ex& ex, Shared& sh,
       sh.part2[k * kWarps + warp] = x2;
     }
   }
-  ex.sync();
+  __syncthreads();
   // Stage B (B > 128): warp 0 reduces the partials in segments of B / 128.
   if (B > kWarpElems) {
     if (warp == 0) {
       const int r = B / int(kWarpElems);
       uint32_t x1 = sh.part1[lane], x2 = sh.part2[lane];
       for (int off = r / 2; off > 0; off /= 2) {
-        x1 = umax(x1, ex.shfl_xor(x1, off));
-        x2 = umax(x2, ex.shfl_xor(x2, off));
+        x1 = umax(x1, __shfl_xor_sync(0xffffffffu, x1, off));
+        x2 = umax(x2, __shfl_xor_sync(0xffffffffu, x2, off));
       }
       if (lane % r == 0) {
         sh.am1[lane / r] = x1;
         sh.am2[lane / r] = x2;
       }
     }
-    ex.sync();
+    __syncthreads();
   }
 
   // ---- new absmax, requantize -------------------------------------------------------------------
@@ -331,39 +329,27 @@ __host__ __device__ __forceinline__ void run_chunk(const Ex& ex, Shared& sh,
 
 // The chunk of one block: skip test, then cpu::pick_kernel's dtype/mode dispatch. MODE is the
 // requested master mode.
-#pragma nv_exec_check_disable
-template <class Ex, int MODE>
-__host__ __device__ __forceinline__ void run_block(const Ex& ex, Shared& sh,
-                                                   const MtaChunk<kAdam8bitDepth>& c,
-                                                   const Adam8bitConfig& cfg) {
+template <int MODE>
+__device__ __forceinline__ void run_block(Shared& sh, const MtaChunk<kAdam8bitDepth>& c,
+                                          const Adam8bitConfig& cfg) {
   // Skipped step: every block leaves before touching anything (uniform branch).
   if (cfg.found_inf != nullptr && *cfg.found_inf > 0.f) return;
   switch (c.dtype) {
     case kFloat32:  // fp32 params are their own master
-      run_chunk<Ex, float, kNoMaster>(ex, sh, c, cfg);
+      run_chunk<float, kNoMaster>(sh, c, cfg);
       break;
     case kFloat16:
-      run_chunk<Ex, f16_t, MODE == kFp32Master ? kFp32Master : kNoMaster>(ex, sh, c, cfg);
+      run_chunk<f16_t, MODE == kFp32Master ? kFp32Master : kNoMaster>(sh, c, cfg);
       break;
     default:
-      run_chunk<Ex, bf16_t, MODE>(ex, sh, c, cfg);
+      run_chunk<bf16_t, MODE>(sh, c, cfg);
       break;
   }
 }
 
 }  // namespace q8
 
-#ifndef MPF_Q8_HOST_EMULATION
 namespace {
-
-struct DeviceExec {
-  __device__ __forceinline__ int tid() const { return int(threadIdx.x); }
-  __device__ __forceinline__ void sync() const { __syncthreads(); }
-  __device__ __forceinline__ bool sync_and(bool p) const { return __syncthreads_and(int(p)) != 0; }
-  __device__ __forceinline__ uint32_t shfl_xor(uint32_t x, int off) const {
-    return __shfl_xor_sync(0xffffffffu, x, off);
-  }
-};
 
 template <int MODE>
 struct Adam8bitFunctor {
@@ -371,7 +357,7 @@ struct Adam8bitFunctor {
 
   __device__ __forceinline__ void operator()(const MtaChunk<kAdam8bitDepth>& c) const {
     __shared__ q8::Shared sh;
-    q8::run_block<DeviceExec, MODE>(DeviceExec{}, sh, c, cfg);
+    q8::run_block<MODE>(sh, c, cfg);
   }
 };
 
@@ -395,6 +381,5 @@ cudaError_t adam8bit_step(const TensorLists<kAdam8bitDepth>& t, const Adam8bitCo
     default: return launch<kNoMaster>(t, cfg, stream);
   }
 }
-#endif  // MPF_Q8_HOST_EMULATION
 
 }  // namespace mpfused::cuda

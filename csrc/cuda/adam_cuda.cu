@@ -186,7 +186,7 @@ cudaError_t increment_steps(float* const* steps, int64_t n, const float* found_i
     const int32_t k = int32_t(n - base < kStepsPerLaunch ? n - base : kStepsPerLaunch);
     StepTable table{};
     for (int32_t i = 0; i < k; ++i) table.ptr[i] = steps[base + i];
-    increment_steps_kernel<<<1, kStepsPerLaunch, 0, stream>>>(table, k, found_inf);
+    MPF_LAUNCH(1, kStepsPerLaunch, stream, increment_steps_kernel)(table, k, found_inf);
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }

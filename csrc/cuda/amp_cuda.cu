@@ -243,7 +243,7 @@ cudaError_t amp_check(const TensorLists<1>& grads, const float* inv_scale, bool 
   if (err != cudaSuccess || !norm || nchunks == 0) return err;
   const int64_t nseg = segments ? grads.size : 0;
   const int64_t blocks = 1 + (nseg + kSegmentsPerBlock - 1) / kSegmentsPerBlock;
-  norm_finalize_kernel<<<dim3(unsigned(blocks)), dim3(kFinalizeThreads), 0, stream>>>(
+  MPF_LAUNCH(dim3(unsigned(blocks)), dim3(kFinalizeThreads), stream, norm_finalize_kernel)(
       partials, nchunks, segments, nseg, norm_sq);
   return cudaGetLastError();
 }
@@ -251,8 +251,8 @@ cudaError_t amp_check(const TensorLists<1>& grads, const float* inv_scale, bool 
 cudaError_t update_scale(float* scale, int32_t* growth_tracker, int32_t* hysteresis_tracker,
                          const float* found_inf, const ScaleUpdateParams& params,
                          cudaStream_t stream) {
-  update_scale_kernel<<<1, 1, 0, stream>>>(scale, growth_tracker, hysteresis_tracker, found_inf,
-                                           params);
+  MPF_LAUNCH(1, 1, stream, update_scale_kernel)(scale, growth_tracker, hysteresis_tracker,
+                                               found_inf, params);
   return cudaGetLastError();
 }
 

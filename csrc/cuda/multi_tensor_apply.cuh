@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+#include "launch.cuh"
 #include "mpfused/tensor_list.h"
 
 // __grid_constant__ (CUDA >= 11.7, sm_70+) lets the kernel index the metadata in the parameter
@@ -43,6 +44,13 @@ constexpr int kMaxParamBytes = 4096;
 constexpr int kParamReserve = 320;
 // first_block is int32 and gridDim.x <= 2^31 - 1; in practice a launch never gets near this.
 constexpr int64_t kMaxBlocksPerLaunch = int64_t(1) << 30;
+
+#ifdef MPF_CUDA_HOST_EMULATION
+// Tests lower the limit to make launches end in the middle of a tensor.
+inline int64_t max_blocks_per_launch() { return ::mpf_emulation::max_blocks_per_launch; }
+#else
+constexpr int64_t max_blocks_per_launch() { return kMaxBlocksPerLaunch; }
+#endif
 
 template <int DEPTH>
 struct MtaMeta {
@@ -176,11 +184,11 @@ cudaError_t multi_tensor_apply(const TensorLists<DEPTH>& lists, int64_t chunk_si
   static_assert(MtaMeta<DEPTH>::kMaxTensors >= 16, "multi_tensor_apply: DEPTH too large");
   cudaError_t err = cudaSuccess;
   if (lists.size == 0) return err;
-  mta_pack(lists, chunk_size, kMaxBlocksPerLaunch,
+  mta_pack(lists, chunk_size, max_blocks_per_launch(),
            [&](const MtaMeta<DEPTH>& meta, int64_t nblocks) {
              if (err != cudaSuccess) return;
-             mta_kernel<DEPTH, Functor, Args...>
-                 <<<dim3(unsigned(nblocks)), dim3(kBlockSize), 0, stream>>>(meta, functor, args...);
+             MPF_LAUNCH(dim3(unsigned(nblocks)), dim3(kBlockSize), stream,
+                        mta_kernel<DEPTH, Functor, Args...>)(meta, functor, args...);
              err = cudaGetLastError();
            });
   return err;

@@ -1,0 +1,321 @@
+// The CUDA 8-bit Adam entry point (cuda::adam8bit_step, adam8bit_cuda.cu), run whole on the host
+// through the CUDA emulation (cuda_runtime.h here: multi_tensor_apply's packing and launches,
+// every block as 512 cooperative threads with real barrier and warp-shuffle semantics, blocks in
+// a shuffled order) and compared byte for byte, guard bytes included, with the CPU kernel
+// cpu::adam8bit_step: every master mode and dtype, block sizes 64..4096, tails, misaligned
+// (scalar-path) tensors, launches that end mid-tensor, found_inf skips, bad maps, bad block sizes.
+//
+// usage: adam8bit_vs_cpu maps.bin [seed]   (maps.bin: 512 float32, the signed map then the unsigned map)
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "../cpu/adam8bit_cpu.h"
+#include "adam8bit_cuda.h"
+#include "harness.h"
+#include "multi_tensor_apply.cuh"  // kMaxBlocksPerLaunch
+
+using namespace mpfused;
+using namespace mpfused::cuda;
+using emu_test::Buf;
+using emu_test::elem_size;
+using emu_test::expect_same_bytes;
+using emu_test::put;
+
+namespace {
+
+struct Tensor {
+  int64_t n = 0;
+  int dtype = kFloat32;
+  Buf p, g, c1, c2, master, a1, a2, step;
+};
+
+struct Case {
+  const char* name;
+  std::vector<int64_t> sizes;
+  int mode;
+  int block;
+  bool misalign = false;
+  bool grad_scale = false, clip = false, lr_ptr = false, maximize = false, decoupled = true;
+  bool has_found = false;
+  float found = 0.f;
+  int bad_map = 0;             // 1 unsorted, 2 no +0 (sorted), 3 +0 at index 0
+  int64_t max_blocks = kMaxBlocksPerLaunch;
+  bool zero_state = false;     // absmax 0 (first step)
+};
+
+struct Maps {
+  float m1[256], m2[256];
+};
+
+void run_case(const Case& k, const Maps& maps, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> normal(0.f, 1.f);
+  std::uniform_int_distribution<int> byte(0, 255);
+  std::uniform_real_distribution<float> unif(1e-4f, 1e-2f);
+  const int B = k.block;
+  std::vector<Tensor> ts(k.sizes.size());
+  for (size_t i = 0; i < ts.size(); ++i) {
+    Tensor& t = ts[i];
+    t.n = k.sizes[i];
+    t.dtype = int(i % 3);
+    const size_t es = elem_size(t.dtype);
+    const size_t mis = k.misalign && (i % 2 == 1) ? 1 : 0;  // odd tensors: 1 element past aligned
+    t.p.init(t.n * es, mis * es);
+    t.g.init(t.n * es, mis * es);
+    t.c1.init(t.n, mis);
+    t.c2.init(t.n, mis);
+    const int64_t nb = (t.n + B - 1) / B;
+    t.a1.init(nb * 4, 0);
+    t.a2.init(nb * 4, 0);
+    t.step.init(4, 0);
+    const bool fp32_master = k.mode == kFp32Master && t.dtype != kFloat32;
+    const bool remainder = k.mode == kRemainder && t.dtype == kBFloat16;
+    if (fp32_master) t.master.init(t.n * 4, mis * 4);
+    if (remainder) t.master.init(t.n * 2, mis * 2);
+    for (int64_t j = 0; j < t.n; ++j) {
+      const float w = normal(rng) * 0.5f;
+      put(t.p, t.dtype, j, w);
+      // Every 7th element: m_old = 0 and a tiny gradient, so the new m rounds to the +0 code
+      // (bitsandbytes' sign rule: a negative one is stored one code below).
+      const bool tiny = j % 7 == 3;
+      put(t.g, t.dtype, j, normal(rng) * (tiny ? 1e-6f : 1.f) * (k.grad_scale ? 1024.f : 1.f));
+      static_cast<uint8_t*>(t.c1.ptr())[j] = uint8_t(k.zero_state || tiny ? 127 : byte(rng));
+      static_cast<uint8_t*>(t.c2.ptr())[j] = uint8_t(k.zero_state ? 0 : byte(rng));
+      if (fp32_master) {
+        const float m = w + normal(rng) * 1e-4f;
+        std::memcpy(static_cast<float*>(t.master.ptr()) + j, &m, 4);
+      }
+      if (remainder) static_cast<int16_t*>(t.master.ptr())[j] = int16_t(byte(rng) * 256 + byte(rng));
+    }
+    for (int64_t j = 0; j < nb; ++j) {
+      static_cast<float*>(t.a1.ptr())[j] = k.zero_state ? 0.f : unif(rng) * 10.f;
+      static_cast<float*>(t.a2.ptr())[j] = k.zero_state ? 0.f : unif(rng) * 1e-3f;
+    }
+    *static_cast<float*>(t.step.ptr()) = float((3 * i) % 7);
+  }
+  Maps mp = maps;
+  if (k.bad_map == 1) std::swap(mp.m1[10], mp.m1[11]);
+  if (k.bad_map == 2) mp.m1[127] = 0.5f * mp.m1[128];
+  if (k.bad_map == 3) {
+    for (int j = 0; j < 256; ++j) mp.m1[j] = mp.m2[j];
+  }
+  float grad_scale = 1024.f, found = k.found, lr = 1e-3f;
+  float norm_sq = 0.f;
+  for (auto& t : ts)
+    for (int64_t j = 0; j < t.n; ++j) {
+      const unsigned char* q = static_cast<unsigned char*>(t.g.ptr());
+      float x;
+      if (t.dtype == kFloat32) std::memcpy(&x, q + 4 * j, 4);
+      else {
+        uint16_t h;
+        std::memcpy(&h, q + 2 * j, 2);
+        x = t.dtype == kFloat16 ? to_f32(f16_t{h}) : to_f32(bf16_t{h});
+      }
+      x /= k.grad_scale ? grad_scale : 1.f;
+      norm_sq += x * x;
+    }
+  const double max_grad_norm = k.clip ? 0.3 * std::sqrt(double(norm_sq)) : 0.0;
+
+  // Packed lists (empty tensors dropped, as PackedLists does).
+  std::vector<Tensor> ref = ts;  // the CPU kernel runs on a copy
+  auto pack = [&](std::vector<Tensor>& v, int depth, std::vector<std::vector<void*>>& ptrs,
+                  std::vector<int64_t>& numel, std::vector<int32_t>& dtype,
+                  std::vector<double>& steps) {
+    ptrs.assign(depth, {});
+    for (auto& t : v) {
+      if (t.n == 0) continue;
+      Buf* ops[8] = {&t.p, &t.g, &t.c1, &t.c2, &t.master, &t.a1, &t.a2, &t.step};
+      for (int d = 0; d < depth; ++d) ptrs[d].push_back(ops[d]->ptr());
+      numel.push_back(t.n);
+      dtype.push_back(t.dtype);
+      steps.push_back(double(*static_cast<float*>(t.step.ptr())) + 1.0);
+    }
+  };
+  std::vector<std::vector<void*>> gp, cp;
+  std::vector<int64_t> gn, cn;
+  std::vector<int32_t> gd, cd;
+  std::vector<double> gs, cs;
+  pack(ts, 8, gp, gn, gd, gs);
+  pack(ref, 7, cp, cn, cd, cs);
+
+  // Expected: the CPU kernel with the binding's host-side decisions.
+  int zc = -1;
+  bool sorted = true;
+  for (int j = 0; j < 256; ++j) {
+    if (mp.m1[j] == 0.f && !std::signbit(mp.m1[j])) zc = j;
+    if (j + 1 < 256) sorted = sorted && mp.m1[j] < mp.m1[j + 1] && mp.m2[j] < mp.m2[j + 1];
+  }
+  const bool bad = !sorted || zc <= 0;
+  const bool skip = k.has_found && k.found > 0.f;
+  if (!bad && !skip && !cn.empty()) {
+    float gm = k.grad_scale ? 1.f / grad_scale : 1.f;
+    if (k.clip && max_grad_norm > 0)
+      gm *= float(std::min(1.0, max_grad_norm / (std::sqrt(double(norm_sq)) + 1e-6)));
+    TensorLists<7> L{};
+    for (int d = 0; d < 7; ++d) L.data[d] = cp[d].data();
+    L.numel = cn.data();
+    L.dtype = cd.data();
+    L.size = int64_t(cn.size());
+    cpu::Adam8bitConfig c{lr, 0.9, 0.999, 1e-8f, 0.01f, gm, k.maximize, k.decoupled, k.mode,
+                          1234, B, mp.m1, mp.m2, zc};
+    cpu::adam8bit_step(L, cs.data(), c, 1);
+  }
+  if (bad && !skip)
+    for (auto& t : ref)
+      for (int64_t j = 0; j < (t.n + B - 1) / B; ++j) {
+        static_cast<float*>(t.a1.ptr())[j] = NAN;
+        static_cast<float*>(t.a2.ptr())[j] = NAN;
+      }
+
+  // The emulated CUDA call.
+  if (!gn.empty()) {
+    TensorLists<kAdam8bitDepth> L{};
+    for (int d = 0; d < 8; ++d) L.data[d] = gp[d].data();
+    L.numel = gn.data();
+    L.dtype = gd.data();
+    L.size = int64_t(gn.size());
+    Adam8bitConfig cfg{};
+    cfg.lr = k.lr_ptr ? 0.f : lr;
+    cfg.lr_ptr = k.lr_ptr ? &lr : nullptr;
+    cfg.beta1 = 0.9;
+    cfg.beta2 = 0.999;
+    cfg.eps = 1e-8f;
+    cfg.weight_decay = 0.01f;
+    cfg.grad_scale = k.grad_scale ? &grad_scale : nullptr;
+    cfg.found_inf = k.has_found ? &found : nullptr;
+    cfg.norm_sq = k.clip ? &norm_sq : nullptr;
+    cfg.max_grad_norm = max_grad_norm;
+    cfg.maximize = k.maximize;
+    cfg.decoupled = k.decoupled;
+    cfg.master_mode = k.mode;
+    cfg.seed = 1234;
+    cfg.block_size = B;
+    cfg.map1 = mp.m1;
+    cfg.map2 = mp.m2;
+    // Launches of at most k.max_blocks blocks: with small limits they end mid-tensor.
+    mpf_emulation::max_blocks_per_launch = k.max_blocks;
+    const cudaError_t err = adam8bit_step(L, cfg, nullptr);
+    mpf_emulation::max_blocks_per_launch = kMaxBlocksPerLaunch;
+    EXPECT(err == cudaSuccess, "%s: adam8bit_step returned %d", k.name, int(err));
+    EXPECT(cudaGetLastError() == cudaSuccess, "%s: error left behind", k.name);
+  }
+
+  // Byte for byte, guards included (a NaN absmax compares as bits).
+  static const char* names[8] = {"param", "grad", "codes1", "codes2", "master", "absmax1", "absmax2", "step"};
+  for (size_t i = 0; i < ts.size(); ++i) {
+    const Buf* got[8] = {&ts[i].p, &ts[i].g, &ts[i].c1, &ts[i].c2, &ts[i].master, &ts[i].a1, &ts[i].a2, &ts[i].step};
+    const Buf* exp[8] = {&ref[i].p, &ref[i].g, &ref[i].c1, &ref[i].c2, &ref[i].master, &ref[i].a1, &ref[i].a2, &ref[i].step};
+    for (int d = 0; d < 8; ++d) expect_same_bytes(*got[d], *exp[d], k.name, names[d], i);
+  }
+}
+
+// A block size the kernel does not serve is refused before anything runs.
+size_t run_bad_block_sizes(const Maps& maps) {
+  float p = 1.f, g = 1.f, a1 = 0.f, a2 = 0.f, step = 0.f;
+  uint8_t c1 = 127, c2 = 0;
+  void* ops[8] = {&p, &g, &c1, &c2, nullptr, &a1, &a2, &step};
+  void* const* data[8];
+  for (int d = 0; d < 8; ++d) data[d] = &ops[d];
+  const int64_t numel = 1;
+  const int32_t dtype = kFloat32;
+  TensorLists<kAdam8bitDepth> L{};
+  for (int d = 0; d < 8; ++d) L.data[d] = data[d];
+  L.numel = &numel;
+  L.dtype = &dtype;
+  L.size = 1;
+  size_t cases = 0;
+  for (int64_t b : {0, 32, 100, 8192, -256}) {
+    Adam8bitConfig cfg{};
+    cfg.lr = 1e-3f;
+    cfg.beta1 = 0.9;
+    cfg.beta2 = 0.999;
+    cfg.block_size = b;
+    cfg.map1 = maps.m1;
+    cfg.map2 = maps.m2;
+    const int64_t launches = mpf_emulation::launch_state.launches;
+    EXPECT(adam8bit_step(L, cfg, nullptr) == cudaErrorInvalidValue, "block size %lld accepted", (long long)b);
+    EXPECT(mpf_emulation::launch_state.launches == launches && p == 1.f && c1 == 127,
+           "block size %lld: something ran", (long long)b);
+    ++cases;
+  }
+  return cases;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) {
+    std::printf("usage: %s maps.bin [seed]\n", argv[0]);
+    return 2;
+  }
+  Maps maps;
+  FILE* f = std::fopen(argv[1], "rb");
+  if (!f || std::fread(&maps, sizeof(float), 512, f) != 512) {
+    std::printf("cannot read %s\n", argv[1]);
+    return 2;
+  }
+  std::fclose(f);
+  const std::vector<int64_t> sizes = {1, 3, 64, 65, 255, 0, 4095, 4096, 4097, 8192 + 77, 13, 2048 + 4};
+  std::vector<Case> cases;
+  for (int mode : {kNoMaster, kFp32Master, kRemainder, kStochastic})
+    for (int block : {64, 128, 256, 1024, 4096}) {
+      Case c{"modes x blocks", sizes, mode, block};
+      c.misalign = block == 256 || block == 64;
+      c.grad_scale = mode != kNoMaster;
+      c.clip = mode == kFp32Master;
+      c.lr_ptr = mode == kRemainder;
+      c.maximize = block == 128;
+      c.decoupled = block != 1024;
+      cases.push_back(c);
+    }
+  {
+    Case c{"512 / 2048 blocks, launch split", {5000, 12288, 3, 9000}, kFp32Master, 512};
+    c.max_blocks = 2;
+    cases.push_back(c);
+    c.block = 2048;
+    c.misalign = true;
+    cases.push_back(c);
+  }
+  {
+    std::vector<int64_t> many;
+    for (int i = 0; i < 120; ++i) many.push_back((i * 37) % 300);
+    cases.push_back(Case{"120 small tensors (several launches)", many, kStochastic, 256});
+  }
+  {
+    Case c{"first step (absmax 0)", sizes, kFp32Master, 256};
+    c.zero_state = true;
+    cases.push_back(c);
+  }
+  {
+    Case c{"found_inf = 0 runs", sizes, kRemainder, 256};
+    c.has_found = true;
+    c.grad_scale = true;
+    cases.push_back(c);
+  }
+  for (float fi : {1.f, INFINITY, NAN}) {
+    Case c{"found_inf > 0 skips", sizes, kFp32Master, 256};
+    c.misalign = c.grad_scale = c.clip = c.has_found = true;
+    c.found = fi;
+    if (std::isnan(fi)) c.name = "found_inf NaN runs (NaN > 0 is false)";
+    cases.push_back(c);
+  }
+  for (int bad : {1, 2, 3}) {
+    Case c{"bad map poisons absmax", sizes, kFp32Master, 256};
+    c.bad_map = bad;
+    cases.push_back(c);
+  }
+  uint64_t seed = emu_test::seed_from(argc, argv, 2);
+  mpf_emulation::seed(seed);
+  seed *= 1000;
+  for (const Case& c : cases) run_case(c, maps, seed++);
+  const size_t bad_sizes = run_bad_block_sizes(maps);
+  std::printf("emulated launches %lld, blocks %lld\n", (long long)mpf_emulation::launch_state.launches,
+              (long long)mpf_emulation::launch_state.blocks);
+  return emu_test::report(cases.size() + bad_sizes);
+}

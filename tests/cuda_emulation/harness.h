@@ -1,0 +1,143 @@
+// Test helpers shared by the emulated-CUDA programs in this directory: failure counting, element
+// access by dtype code, and buffers with guard bytes around them. The guards hold a canary (a
+// stray write shows as a changed byte) and, under -fsanitize=address, are poisoned (a stray read
+// or write is reported where it happens, as compute-sanitizer's memcheck would on a GPU).
+#pragma once
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "mpfused/dtype.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#define MPF_POISON(p, n) ASAN_POISON_MEMORY_REGION(p, n)
+#define MPF_UNPOISON(p, n) ASAN_UNPOISON_MEMORY_REGION(p, n)
+#else
+#define MPF_POISON(p, n) ((void)(p), (void)(n))
+#define MPF_UNPOISON(p, n) ((void)(p), (void)(n))
+#endif
+
+namespace emu_test {
+
+inline long failures = 0;
+
+#define EXPECT(cond, ...)                                           \
+  do {                                                              \
+    if (!(cond) && ++emu_test::failures < 30) {                     \
+      std::printf("FAIL line %d: %s: ", __LINE__, #cond);           \
+      std::printf(__VA_ARGS__);                                     \
+      std::printf("\n");                                            \
+    }                                                               \
+  } while (0)
+
+// The run's seed: argv[i] when given, else 1. It seeds the test data and the emulation.
+inline uint64_t seed_from(int argc, char** argv, int i) {
+  const uint64_t s = argc > i ? std::strtoull(argv[i], nullptr, 10) : 1;
+  std::printf("seed %llu\n", (unsigned long long)s);
+  return s;
+}
+
+inline int report(size_t cases) {
+  std::printf("%zu cases\n", cases);
+  if (failures) {
+    std::printf("%ld failures\n", failures);
+    return 1;
+  }
+  std::printf("ok\n");
+  return 0;
+}
+
+constexpr size_t kGuard = 64;  // guard bytes on each side of every buffer
+constexpr unsigned char kCanary = 0xA5;
+
+// `bytes` of payload at mem[off], off = kGuard + misalign; everything else is guard.
+struct Buf {
+  std::vector<unsigned char> mem;
+  size_t off = 0, bytes = 0;
+
+  Buf() = default;
+  Buf(const Buf& o) : mem(), off(o.off), bytes(o.bytes) {
+    o.open();
+    mem = o.mem;
+    o.close();
+    close();
+  }
+  Buf& operator=(const Buf& o) {
+    if (this != &o) {
+      open();
+      o.open();
+      mem = o.mem;
+      off = o.off;
+      bytes = o.bytes;
+      o.close();
+      close();
+    }
+    return *this;
+  }
+  ~Buf() { open(); }
+
+  void init(size_t nbytes, size_t misalign) {
+    open();
+    bytes = nbytes;
+    off = kGuard + misalign;
+    mem.assign(nbytes + 2 * kGuard + 64, kCanary);
+    close();
+  }
+  void* ptr() { return bytes ? mem.data() + off : nullptr; }
+  template <typename T>
+  T* as() { return static_cast<T*>(ptr()); }
+  // Guards readable (for copies and comparisons) / poisoned again.
+  void open() const { MPF_UNPOISON(mem.data(), mem.size()); }
+  void close() const {
+    if (mem.empty()) return;
+    MPF_POISON(mem.data(), off);
+    MPF_POISON(mem.data() + off + bytes, mem.size() - off - bytes);
+  }
+};
+
+inline size_t elem_size(int dt) { return dt == mpfused::kFloat32 ? 4 : 2; }
+
+inline void put(Buf& b, int dt, int64_t i, float x) {
+  unsigned char* q = static_cast<unsigned char*>(b.ptr());
+  if (dt == mpfused::kFloat32) {
+    std::memcpy(q + 4 * i, &x, 4);
+  } else {
+    const uint16_t h = dt == mpfused::kFloat16 ? mpfused::f16_bits_rne(x) : mpfused::bf16_bits_rne(x);
+    std::memcpy(q + 2 * i, &h, 2);
+  }
+}
+
+inline float get(Buf& b, int dt, int64_t i) {
+  const unsigned char* q = static_cast<unsigned char*>(b.ptr());
+  if (dt == mpfused::kFloat32) {
+    float x;
+    std::memcpy(&x, q + 4 * i, 4);
+    return x;
+  }
+  uint16_t h;
+  std::memcpy(&h, q + 2 * i, 2);
+  return dt == mpfused::kFloat16 ? mpfused::to_f32(mpfused::f16_t{h}) : mpfused::to_f32(mpfused::bf16_t{h});
+}
+
+// Byte-for-byte, guards included. NaN payloads compare as bits.
+inline void expect_same_bytes(const Buf& got, const Buf& exp, const char* what, const char* name,
+                              size_t tensor) {
+  got.open();
+  exp.open();
+  size_t first = got.mem.size(), count = 0;
+  EXPECT(got.mem.size() == exp.mem.size(), "%s: tensor %zu %s: buffer sizes differ", what, tensor, name);
+  for (size_t j = 0; j < got.mem.size() && j < exp.mem.size(); ++j)
+    if (got.mem[j] != exp.mem[j]) {
+      ++count;
+      first = std::min(first, j);
+    }
+  EXPECT(count == 0, "%s: tensor %zu %s: %zu bytes differ, first at byte %lld of the payload", what,
+         tensor, name, count, (long long)first - (long long)got.off);
+  got.close();
+  exp.close();
+}
+
+}  // namespace emu_test
