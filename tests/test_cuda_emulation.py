@@ -11,9 +11,13 @@ memory per block. Three programs:
   kernels, byte for byte (sums of squares against an exact double sum);
 * adam8bit_vs_cpu: cuda::adam8bit_step against cpu::adam8bit_step, byte for byte.
 
-Built with AddressSanitizer + UndefinedBehaviorSanitizer when the compiler has them: the guard
-bytes around every buffer are poisoned, so an out-of-bounds read or write, a misaligned vector
-access or a signed overflow fails the run, as compute-sanitizer's memcheck would on a GPU.
+Each is built twice, as the two compute-sanitizer tools a GPU run would use:
+* memcheck: AddressSanitizer + UndefinedBehaviorSanitizer; the guard bytes around every buffer are
+  poisoned, so an out-of-bounds access, a misaligned vector access or a signed overflow fails;
+* racecheck: ThreadSanitizer, every emulated thread a TSan fiber ordered only by barriers and
+  shuffles, so two threads of a block touching the same memory without a barrier is a data race
+  (the CPU kernels it compares with are linked uninstrumented).
+A compiler without a sanitizer runtime gives a plain build (memcheck) or a skip (racecheck).
 
 This checks indexing, synchronization and per-element math; not timing, not the memory model
 between blocks, not device intrinsics. A kernel that passes here has still never run on a GPU.
@@ -35,8 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 EMU = ROOT / "tests" / "cuda_emulation"
 CXX = shutil.which("g++") or shutil.which("c++")
 DEADLINE_S = 300.0
-SANITIZE = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
-            "-fno-omit-frame-pointer"]
+CHECKERS = {
+    "memcheck": ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+                 "-fno-omit-frame-pointer"],
+    "racecheck": ["-fsanitize=thread"],
+}
+PROGRAMS = ["emulator_selftest", "amp_adam_vs_cpu", "adam8bit_vs_cpu"]
 # As the extension builds its kernels: no FMA contraction anywhere (setup.py: -ffp-contract=off
 # for C++, --fmad=false for CUDA), so the emulated CUDA math is the CPU kernels' to the bit.
 FLAGS = ["-std=c++17", "-O1", "-g0", "-ffp-contract=off", "-fno-math-errno", "-fopenmp",
@@ -48,12 +56,12 @@ pytestmark = pytest.mark.skipif(
     reason="needs g++ on Linux (ucontext, dl_iterate_phdr)")
 
 
-def _sanitizers_work(tmp: Path) -> bool:
+def _sanitizer_works(tmp: Path, flags: list[str]) -> bool:
     src = tmp / "probe.cpp"
     src.write_text("#include <vector>\nint main() { std::vector<int> v(3); return v[1]; }\n")
-    exe = tmp / "probe"
+    exe = tmp / f"probe{len(flags)}"
     try:
-        build = subprocess.run([CXX, *SANITIZE, str(src), "-o", str(exe)], capture_output=True,
+        build = subprocess.run([CXX, *flags, str(src), "-o", str(exe)], capture_output=True,
                                timeout=60)
         return build.returncode == 0 and subprocess.run([str(exe)], timeout=30).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
@@ -73,60 +81,83 @@ def _run(cmd: list[str], deadline: float, env=None) -> tuple[int | None, str]:
 
 @pytest.fixture(scope="module")
 def programs(tmp_path_factory):
-    """Builds the three programs and runs them once (in parallel); name -> (rc, output)."""
+    """Builds every program for each checker and runs it once, all in parallel.
+    (checker, name) -> (rc, output); rc None: cut by the deadline."""
     tmp = tmp_path_factory.mktemp("cuda_emulation")
     deadline = time.monotonic() + DEADLINE_S
-    sanitized = _sanitizers_work(tmp)
-    flags = FLAGS + (SANITIZE if sanitized else [])
+    checkers = {}
+    for name, flags in CHECKERS.items():
+        if _sanitizer_works(tmp, flags):
+            checkers[name] = flags
+        elif name == "memcheck":
+            checkers[name] = []  # plain build: every byte is still compared
     seed = int.from_bytes(os.urandom(4), "little")  # fresh data and interleavings each run
 
     from mpfused.quant_maps import signed_map, unsigned_map
     maps = tmp / "maps.bin"
     maps.write_bytes(struct.pack("<512f", *(signed_map().tolist() + unsigned_map().tolist())))
 
-    def obj(src: Path, kind: str) -> tuple[Path, list[str]]:
-        out = tmp / f"{src.stem}.{kind}.o"
-        lang = ["-x", "c++"] if src.suffix == ".cu" else []
-        inc = EMU_INC if kind == "emu" else []
-        return out, [CXX, *flags, *inc, *lang, "-c", str(src), "-o", str(out)]
+    # Objects: the CUDA files under each checker; the CPU kernels under memcheck, and plain for
+    # racecheck (their OpenMP runtime is not instrumented, so TSan could not follow it).
+    objects: dict[str, tuple[Path, list[str]]] = {}
+    for family in ["amp", "adam", "adam8bit"]:
+        for checker, flags in checkers.items():
+            out = tmp / f"{family}_cuda.{checker}.o"
+            objects[f"{family}.emu.{checker}"] = out, [
+                CXX, *FLAGS, *flags, *EMU_INC, "-x", "c++", "-c",
+                str(ROOT / "csrc" / "cuda" / f"{family}_cuda.cu"), "-o", str(out)]
+        for kind, flags in [("memcheck", checkers["memcheck"]), ("plain", [])]:
+            if kind == "plain" and "racecheck" not in checkers:
+                continue
+            out = tmp / f"{family}_cpu.{kind}.o"
+            objects[f"{family}.cpu.{kind}"] = out, [
+                CXX, *FLAGS, *flags, "-c", str(ROOT / "csrc" / "cpu" / f"{family}_cpu.cpp"),
+                "-o", str(out)]
 
-    objects = {}
-    for name in ["amp", "adam", "adam8bit"]:
-        objects[f"{name}.cpu"] = obj(ROOT / "csrc" / "cpu" / f"{name}_cpu.cpp", "cpu")
-        objects[f"{name}.emu"] = obj(ROOT / "csrc" / "cuda" / f"{name}_cuda.cu", "emu")
-    progs = {
-        "emulator_selftest": ([], []),
-        "amp_adam_vs_cpu": (["amp.emu", "adam.emu", "amp.cpu", "adam.cpu"], [str(seed)]),
-        "adam8bit_vs_cpu": (["adam8bit.emu", "adam8bit.cpu"], [str(maps), str(seed)]),
-    }
-    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0:abort_on_error=0",
-               UBSAN_OPTIONS="print_stacktrace=1", OMP_NUM_THREADS="2")
+    def deps(name: str, checker: str) -> list[str]:
+        cpu = "memcheck" if checker == "memcheck" else "plain"
+        families = {"emulator_selftest": [], "amp_adam_vs_cpu": ["amp", "adam"],
+                    "adam8bit_vs_cpu": ["adam8bit"]}[name]
+        return [f"{f}.emu.{checker}" for f in families] + [f"{f}.cpu.{cpu}" for f in families]
+
+    args = {"emulator_selftest": [], "amp_adam_vs_cpu": [str(seed)],
+            "adam8bit_vs_cpu": [str(maps), str(seed)]}
+    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0", UBSAN_OPTIONS="print_stacktrace=1",
+               TSAN_OPTIONS="exitcode=66", OMP_NUM_THREADS="2")
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as ex:
         built = {k: ex.submit(_run, cmd, deadline) for k, (_, cmd) in objects.items()}
 
-        def build_and_run(name: str) -> tuple[int | None, str]:
-            deps, args = progs[name]
-            for d in deps:
+        def build_and_run(name: str, checker: str) -> dict:
+            for d in deps(name, checker):
                 rc, out = built[d].result()
                 if rc != 0:
-                    return rc, out
-            exe = tmp / name
-            rc, out = _run([CXX, *flags, *EMU_INC, str(EMU / f"{name}.cpp"),
-                            *(str(objects[d][0]) for d in deps), "-o", str(exe)], deadline)
+                    return {"run": (rc, out)}
+            exe = tmp / f"{name}.{checker}"
+            rc, out = _run([CXX, *FLAGS, *checkers[checker], *EMU_INC, str(EMU / f"{name}.cpp"),
+                            *(str(objects[d][0]) for d in deps(name, checker)), "-o", str(exe)],
+                           deadline)
             if rc != 0:
-                return rc, out
-            return _run([str(exe), *args], deadline, env)
+                return {"run": (rc, out)}
+            res = {"run": _run([str(exe), *args[name]], deadline, env)}
+            if name == "emulator_selftest" and checker == "racecheck":
+                res["race"] = _run([str(exe), "race"], deadline, env)
+            return res
 
-        results = {name: ex.submit(build_and_run, name) for name in progs}
-        res = {name: f.result() for name, f in results.items()}
-    res["_sanitized"] = sanitized
+        futures = {(n, c): ex.submit(build_and_run, n, c) for n in PROGRAMS for c in checkers}
+        res = {}
+        for (n, c), f in futures.items():
+            for what, r in f.result().items():
+                res[(c, n if what == "run" else f"{n} {what}")] = r
     res["_seed"] = seed
+    res["_checkers"] = checkers
     return res
 
 
-def _check(programs, name: str) -> str:
-    rc, out = programs[name]
+def _check(programs, checker: str, name: str) -> str:
+    if checker not in programs["_checkers"]:
+        pytest.skip(f"the compiler has no working {' '.join(CHECKERS[checker])} here")
+    rc, out = programs[(checker, name)]
     if rc is None:
         pytest.skip(out)
     assert rc == 0, f"seed {programs['_seed']}\n{out}"
@@ -134,16 +165,29 @@ def _check(programs, name: str) -> str:
     return out
 
 
-def test_emulator_reports_what_it_claims_to(programs):
-    out = _check(programs, "emulator_selftest")
-    assert "__syncthreads that not every thread of the block reaches" in out
+@pytest.mark.parametrize("checker", list(CHECKERS))
+def test_emulator_reports_what_it_claims_to(programs, checker):
+    out = _check(programs, checker, "emulator_selftest")
+    if checker == "memcheck":  # TSan cannot follow a block whose threads never finish
+        assert "__syncthreads that not every thread of the block reaches" in out
 
 
-def test_cuda_amp_and_adam_kernels_match_cpu_kernels(programs):
-    out = _check(programs, "amp_adam_vs_cpu")
+def test_racecheck_reports_a_missing_barrier(programs):
+    if "racecheck" not in programs["_checkers"]:
+        pytest.skip("the compiler has no working -fsanitize=thread here")
+    rc, out = programs[("racecheck", "emulator_selftest race")]
+    if rc is None:
+        pytest.skip(out)
+    assert rc != 0 and "WARNING: ThreadSanitizer: data race" in out, out
+    assert "broadcast" in out, out  # the racy kernel is named in the report
+
+
+@pytest.mark.parametrize("checker", list(CHECKERS))
+def test_cuda_amp_and_adam_kernels_match_cpu_kernels(programs, checker):
+    out = _check(programs, checker, "amp_adam_vs_cpu")
     assert "emulated launches" in out
 
 
-def test_cuda_adam8bit_kernel_matches_cpu_kernel(programs):
-    _check(programs, "adam8bit_vs_cpu")
-
+@pytest.mark.parametrize("checker", list(CHECKERS))
+def test_cuda_adam8bit_kernel_matches_cpu_kernel(programs, checker):
+    _check(programs, checker, "adam8bit_vs_cpu")

@@ -10,12 +10,12 @@
 //       reported as an error (divergent barrier);
 //   __shfl_down_sync / __shfl_xor_sync / __shfl_sync: full-warp shuffles (mask 0xffffffff, width
 //       32); a shuffle some lanes of the warp never reach is reported as a deadlock;
-//   __shared__: a static thread_local. Each block runs on a fresh OS thread whose thread-local
-//       block is filled with 0xFF bytes first (NaN as float or double), so a block never sees
-//       another block's shared memory and a read before any write sees garbage. (Hence the programs built with this
-//       header must declare no thread_local of their own.) Every scheduling round runs the threads
-//       in a new random order, so a shared-memory read that lacks its barrier sees a stale value
-//       in most runs.
+//   __shared__: a static thread_local. Before each block the program's thread-local block is
+//       filled with 0xFF bytes (NaN as float or double), so a block never sees another block's
+//       shared memory and a read before any write sees garbage. (Hence the programs built with
+//       this header must declare no thread_local of their own.) Every scheduling round runs the
+//       threads in a new random order, so a shared-memory read that lacks its barrier sees a
+//       stale value in most runs.
 // threadIdx / blockIdx / blockDim / gridDim are globals the scheduler sets before it resumes a
 // thread. A failed block makes the launch fail (cudaGetLastError returns cudaErrorLaunchFailure)
 // and prints what went wrong.
@@ -26,7 +26,12 @@
 // --fmad=false). It is a check of indexing, synchronization and per-element math, not a GPU run.
 //
 // With -fsanitize=address the fibers are announced to ASan (start/finish_switch_fiber), so stack
-// and heap checks stay valid across switches.
+// and heap checks stay valid across switches. With -fsanitize=thread every emulated thread is a
+// TSan fiber and only CUDA's synchronization orders them: a barrier (or a warp's shuffle) is a
+// release by every arriving thread and an acquire by every leaving one, switches between fibers
+// synchronize nothing, so two threads of a block touching the same shared or global memory
+// without a barrier between them is reported as a data race (compute-sanitizer's racecheck, on
+// the host). Blocks run one after the other, so races between blocks are not seen.
 #pragma once
 #define MPF_CUDA_HOST_EMULATION 1
 
@@ -35,11 +40,11 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <random>
-#include <thread>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -48,6 +53,14 @@
 #if defined(__SANITIZE_ADDRESS__)
 #include <sanitizer/common_interface_defs.h>
 #define MPF_EMU_ASAN 1
+#endif
+#if defined(__SANITIZE_THREAD__)
+#include <sanitizer/tsan_interface.h>
+#define MPF_EMU_TSAN 1
+// TSan's dynamic annotations: the scheduler's own bookkeeping (which thread runs) is not memory the
+// kernel shares, so its writes are not recorded.
+extern "C" void AnnotateIgnoreWritesBegin(const char* file, int line);
+extern "C" void AnnotateIgnoreWritesEnd(const char* file, int line);
 #endif
 
 #define __global__
@@ -91,8 +104,8 @@ namespace mpf_emulation {
 
 constexpr int kWarp = 32;
 constexpr int kMaxThreads = 1024;
-#ifdef MPF_EMU_ASAN
-constexpr size_t kStack = size_t(1) << 18;  // ASan frames are larger
+#if defined(MPF_EMU_ASAN) || defined(MPF_EMU_TSAN)
+constexpr size_t kStack = size_t(1) << 18;  // sanitizer frames are larger
 #else
 constexpr size_t kStack = size_t(1) << 16;
 #endif
@@ -106,8 +119,9 @@ struct Block {
   ucontext_t main_ctx;
   std::vector<ucontext_t> ctx = std::vector<ucontext_t>(kMaxThreads);
   std::vector<char> stacks = std::vector<char>(kMaxThreads * kStack);
-  int wait[kMaxThreads];
-  bool done[kMaxThreads];
+  // Relaxed atomics: the scheduler reads them, and under TSan that must not order the threads.
+  std::atomic<int> wait[kMaxThreads];
+  std::atomic<bool> done[kMaxThreads];
   int flag[kMaxThreads];
   uint64_t xchg[2][kMaxThreads];
   int parity[kMaxThreads];
@@ -118,6 +132,19 @@ struct Block {
   const void* main_bottom = nullptr;
   size_t main_size = 0;
 #endif
+#ifdef MPF_EMU_TSAN
+  void* main_fiber = nullptr;
+  void* fiber[kMaxThreads] = {};
+  int barriers[kMaxThreads];                 // barriers passed by each thread
+  char barrier_sync[2];                      // sync objects of even / odd barriers
+  char warp_sync[2][kMaxThreads / kWarp];    // of each warp's even / odd shuffles
+  char exit_sync;                            // every thread's exit -> the end of the block
+#endif
+
+  int waiting(int t) const { return wait[t].load(std::memory_order_relaxed); }
+  void set_wait(int t, int v) { wait[t].store(v, std::memory_order_relaxed); }
+  bool finished(int t) const { return done[t].load(std::memory_order_relaxed); }
+  void set_done(int t, bool v) { done[t].store(v, std::memory_order_relaxed); }
 };
 
 inline Block& block() {
@@ -145,18 +172,44 @@ inline void seed(uint64_t s) {
   std::abort();
 }
 
-// Thread side of a switch: park at `kind` and hand control back to the scheduler.
-inline void park(int kind) {
+// Thread side of a switch: park at `kind` and hand control back to the scheduler. `sync`: the
+// TSan sync object of this barrier or shuffle.
+inline void park(int kind, void* sync) {
   Block& b = block();
   const int t = b.cur;
-  b.wait[t] = kind;
-#ifdef MPF_EMU_ASAN
+  b.set_wait(t, kind);
+#ifdef MPF_EMU_TSAN
+  __tsan_release(sync);
+  __tsan_switch_to_fiber(b.main_fiber, __tsan_switch_to_fiber_no_sync);
+  swapcontext(&b.ctx[t], &b.main_ctx);
+  __tsan_acquire(sync);
+#elif defined(MPF_EMU_ASAN)
   void* fake = nullptr;
   __sanitizer_start_switch_fiber(&fake, b.main_bottom, b.main_size);
   swapcontext(&b.ctx[t], &b.main_ctx);
   __sanitizer_finish_switch_fiber(fake, &b.main_bottom, &b.main_size);
 #else
+  (void)sync;
   swapcontext(&b.ctx[t], &b.main_ctx);
+#endif
+}
+
+inline void* barrier_sync() {
+#ifdef MPF_EMU_TSAN
+  Block& b = block();
+  return &b.barrier_sync[b.barriers[b.cur]++ & 1];
+#else
+  return nullptr;
+#endif
+}
+
+inline void* warp_sync(int parity) {
+#ifdef MPF_EMU_TSAN
+  Block& b = block();
+  return &b.warp_sync[parity][b.cur / kWarp];
+#else
+  (void)parity;
+  return nullptr;
 #endif
 }
 
@@ -166,9 +219,15 @@ inline void thread_entry() {
   __sanitizer_finish_switch_fiber(nullptr, &b.main_bottom, &b.main_size);
 #endif
   b.body(b.arg);
-  b.done[b.cur] = true;
+  b.set_done(b.cur, true);
 #ifdef MPF_EMU_ASAN
   __sanitizer_start_switch_fiber(nullptr, b.main_bottom, b.main_size);  // this fiber ends
+#endif
+#ifdef MPF_EMU_TSAN
+  void* main_fiber = b.main_fiber;  // read before the release that orders it before the next block
+  __tsan_release(&b.exit_sync);
+  __tsan_switch_to_fiber(main_fiber, __tsan_switch_to_fiber_no_sync);
+  setcontext(&b.main_ctx);  // never return: this function's exit would be recorded on the new fiber
 #endif
 }  // uc_link: back to the scheduler
 
@@ -193,10 +252,17 @@ inline bool run_block(int n, void (*body)(void*), void* arg) {
   b.body = body;
   b.arg = arg;
   b.error = nullptr;
+#ifdef MPF_EMU_TSAN
+  b.main_fiber = __tsan_get_current_fiber();
+#endif
   for (int t = 0; t < n; ++t) {
-    b.wait[t] = Block::kRun;
-    b.done[t] = false;
+    b.set_wait(t, Block::kRun);
+    b.set_done(t, false);
     b.parity[t] = 0;
+#ifdef MPF_EMU_TSAN
+    if (b.fiber[t] == nullptr) b.fiber[t] = __tsan_create_fiber(0);  // reused by later blocks
+    b.barriers[t] = 0;
+#endif
     getcontext(&b.ctx[t]);
     b.ctx[t].uc_stack.ss_sp = b.stacks.data() + size_t(t) * kStack;
     b.ctx[t].uc_stack.ss_size = kStack;
@@ -208,10 +274,17 @@ inline bool run_block(int n, void (*body)(void*), void* arg) {
   for (;;) {
     std::shuffle(order.begin(), order.end(), b.rng);  // a new interleaving every round
     for (const int t : order) {
-      if (b.done[t] || b.wait[t] != Block::kRun) continue;
+      if (b.finished(t) || b.waiting(t) != Block::kRun) continue;
+#ifdef MPF_EMU_TSAN
+      AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
+#endif
       b.cur = t;
       threadIdx = uint3{unsigned(t), 0, 0};
-#ifdef MPF_EMU_ASAN
+#ifdef MPF_EMU_TSAN
+      AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
+      __tsan_switch_to_fiber(b.fiber[t], 0);  // the scheduler's writes above reach the thread
+      swapcontext(&b.main_ctx, &b.ctx[t]);
+#elif defined(MPF_EMU_ASAN)
       void* fake = nullptr;
       __sanitizer_start_switch_fiber(&fake, b.stacks.data() + size_t(t) * kStack, kStack);
       swapcontext(&b.main_ctx, &b.ctx[t]);
@@ -222,12 +295,17 @@ inline bool run_block(int n, void (*body)(void*), void* arg) {
     }
     int ndone = 0, nbarrier = 0;
     for (int t = 0; t < n; ++t) {
-      ndone += b.done[t];
-      nbarrier += !b.done[t] && b.wait[t] == Block::kBarrier;
+      ndone += b.finished(t);
+      nbarrier += !b.finished(t) && b.waiting(t) == Block::kBarrier;
     }
-    if (ndone == n) return true;
+    if (ndone == n) {
+#ifdef MPF_EMU_TSAN
+      __tsan_acquire(&b.exit_sync);  // everything the block did happens before what follows it
+#endif
+      return true;
+    }
     if (nbarrier == n) {
-      for (int t = 0; t < n; ++t) b.wait[t] = Block::kRun;
+      for (int t = 0; t < n; ++t) b.set_wait(t, Block::kRun);
       continue;
     }
     if (nbarrier > 0 && ndone > 0) {
@@ -238,9 +316,9 @@ inline bool run_block(int n, void (*body)(void*), void* arg) {
     for (int w = 0; w * kWarp < n; ++w) {
       const int lo = w * kWarp, hi = std::min(n, lo + kWarp);
       bool all = true;
-      for (int t = lo; t < hi; ++t) all = all && !b.done[t] && b.wait[t] == w;
+      for (int t = lo; t < hi; ++t) all = all && !b.finished(t) && b.waiting(t) == w;
       if (all) {
-        for (int t = lo; t < hi; ++t) b.wait[t] = Block::kRun;
+        for (int t = lo; t < hi; ++t) b.set_wait(t, Block::kRun);
         released = true;
       }
     }
@@ -266,7 +344,7 @@ inline T shuffle(unsigned mask, T v, int width, Src src) {
   uint64_t raw = 0;
   std::memcpy(&raw, &v, sizeof(T));
   b.xchg[buf][t] = raw;
-  park(t / kWarp);
+  park(t / kWarp, warp_sync(buf));
   const int from = src(lane);
   if (from < 0 || from >= kWarp) return v;
   T out;
@@ -305,17 +383,13 @@ struct Launch {
       blockDim = block;
       gridDim = grid;
       ++s.blocks;
-      bool ok = false;
-      std::thread os_thread([&] {  // fresh shared memory (see the top of this file)
-        poison_shared_memory();
-        ok = run_block(int(block.x),
-                       [](void* p) {
-                         const Arg* a = static_cast<const Arg*>(p);
-                         std::apply(a->kernel, Params(*a->params));
-                       },
-                       &arg);
-      });
-      os_thread.join();
+      poison_shared_memory();  // fresh shared memory (see the top of this file)
+      const bool ok = run_block(int(block.x),
+                                [](void* p) {
+                                  const Arg* a = static_cast<const Arg*>(p);
+                                  std::apply(a->kernel, Params(*a->params));
+                                },
+                                &arg);
       if (!ok) {
         std::fprintf(stderr, "cuda emulation: block %u of %u: %s\n", bi, grid.x,
                      mpf_emulation::block().error);
@@ -348,7 +422,9 @@ inline const char* cudaGetErrorString(cudaError_t e) {
   }
 }
 
-inline void __syncthreads() { mpf_emulation::park(mpf_emulation::Block::kBarrier); }
+inline void __syncthreads() {
+  mpf_emulation::park(mpf_emulation::Block::kBarrier, mpf_emulation::barrier_sync());
+}
 
 // Block-wide vote: everyone posts, barrier, everyone reads, barrier (so no flag is overwritten by
 // the next vote before every thread has read this one).
