@@ -162,8 +162,9 @@ void run_case(const Case& k, const Maps& maps, uint64_t seed) {
     L.numel = cn.data();
     L.dtype = cd.data();
     L.size = int64_t(cn.size());
-    cpu::Adam8bitConfig c{lr, 0.9, 0.999, 1e-8f, 0.01f, gm, k.maximize, k.decoupled, k.mode,
-                          1234, B, mp.m1, mp.m2, zc};
+    using namespace emu_test;
+    cpu::Adam8bitConfig c{lr, kBeta1, kBeta2, kEps, kWeightDecay, gm, k.maximize, k.decoupled, k.mode,
+                          kSeed, B, mp.m1, mp.m2, zc};
     cpu::adam8bit_step(L, cs.data(), c, 1);
   }
   if (bad && !skip)
@@ -181,20 +182,7 @@ void run_case(const Case& k, const Maps& maps, uint64_t seed) {
     L.dtype = gd.data();
     L.size = int64_t(gn.size());
     Adam8bitConfig cfg{};
-    cfg.lr = k.lr_ptr ? 0.f : lr;
-    cfg.lr_ptr = k.lr_ptr ? &lr : nullptr;
-    cfg.beta1 = 0.9;
-    cfg.beta2 = 0.999;
-    cfg.eps = 1e-8f;
-    cfg.weight_decay = 0.01f;
-    cfg.grad_scale = k.grad_scale ? &grad_scale : nullptr;
-    cfg.found_inf = k.has_found ? &found : nullptr;
-    cfg.norm_sq = k.clip ? &norm_sq : nullptr;
-    cfg.max_grad_norm = max_grad_norm;
-    cfg.maximize = k.maximize;
-    cfg.decoupled = k.decoupled;
-    cfg.master_mode = k.mode;
-    cfg.seed = 1234;
+    emu_test::fill_adam_config(cfg, k, {&lr, &grad_scale, &found, &norm_sq, max_grad_norm});
     cfg.block_size = B;
     cfg.map1 = mp.m1;
     cfg.map2 = mp.m2;

@@ -244,8 +244,9 @@ void run_adam(const AdamCase& k, uint64_t seed) {
     L.size = n;
     float gm = k.grad_scale ? 1.f / grad_scale : 1.f;
     if (k.clip) gm *= float(std::min(1.0, max_grad_norm / (std::sqrt(double(norm_sq)) + 1e-6)));
-    const cpu::AdamConfig c{lr, 0.9, 0.999, 1e-8f, 0.01f, gm, k.amsgrad, k.maximize, k.decoupled,
-                            k.mode, 1234};
+    using namespace emu_test;
+    const cpu::AdamConfig c{lr, kBeta1, kBeta2, kEps, kWeightDecay, gm, k.amsgrad, k.maximize,
+                            k.decoupled, k.mode, kSeed};
     cpu::adam_step(L, steps.data(), c, 2);
   }
 
@@ -264,21 +265,8 @@ void run_adam(const AdamCase& k, uint64_t seed) {
   L.dtype = dtype.data();
   L.size = n;
   cuda::AdamConfig cfg{};
-  cfg.lr = k.lr_ptr ? 0.f : lr;
-  cfg.lr_ptr = k.lr_ptr ? &lr : nullptr;
-  cfg.beta1 = 0.9;
-  cfg.beta2 = 0.999;
-  cfg.eps = 1e-8f;
-  cfg.weight_decay = 0.01f;
-  cfg.grad_scale = k.grad_scale ? &grad_scale : nullptr;
-  cfg.found_inf = k.has_found ? &found : nullptr;
-  cfg.norm_sq = k.clip ? &norm_sq : nullptr;
-  cfg.max_grad_norm = max_grad_norm;
+  emu_test::fill_adam_config(cfg, k, {&lr, &grad_scale, &found, &norm_sq, max_grad_norm});
   cfg.amsgrad = k.amsgrad;
-  cfg.maximize = k.maximize;
-  cfg.decoupled = k.decoupled;
-  cfg.master_mode = k.mode;
-  cfg.seed = 1234;
   EXPECT(cuda::adam_step(L, cfg, nullptr) == cudaSuccess, "%s: adam_step", k.name);
   EXPECT(cuda::increment_steps(counters.data(), n, cfg.found_inf, nullptr) == cudaSuccess,
          "%s: increment_steps", k.name);

@@ -3,6 +3,7 @@
 // stray write shows as a changed byte) and, under -fsanitize=address, are poisoned (a stray read
 // or write is reported where it happens, as compute-sanitizer's memcheck would on a GPU).
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -48,6 +49,38 @@ inline int report(size_t cases) {
   }
   std::printf("ok\n");
   return 0;
+}
+
+// Hyperparameters of every Adam case here (the CPU kernel gets the same).
+constexpr double kBeta1 = 0.9, kBeta2 = 0.999;
+constexpr float kEps = 1e-8f, kWeightDecay = 0.01f;
+constexpr uint64_t kSeed = 1234;
+
+// The fields cuda::AdamConfig and cuda::Adam8bitConfig share, as both programs set them from a
+// test case (host floats stand in for the device scalars).
+struct AdamScalarsIn {
+  float* lr;
+  float* grad_scale;
+  float* found_inf;
+  float* norm_sq;
+  double max_grad_norm;
+};
+template <typename Config, typename Case>
+void fill_adam_config(Config& cfg, const Case& k, const AdamScalarsIn& in) {
+  cfg.lr = k.lr_ptr ? 0.f : *in.lr;
+  cfg.lr_ptr = k.lr_ptr ? in.lr : nullptr;
+  cfg.beta1 = kBeta1;
+  cfg.beta2 = kBeta2;
+  cfg.eps = kEps;
+  cfg.weight_decay = kWeightDecay;
+  cfg.grad_scale = k.grad_scale ? in.grad_scale : nullptr;
+  cfg.found_inf = k.has_found ? in.found_inf : nullptr;
+  cfg.norm_sq = k.clip ? in.norm_sq : nullptr;
+  cfg.max_grad_norm = in.max_grad_norm;
+  cfg.maximize = k.maximize;
+  cfg.decoupled = k.decoupled;
+  cfg.master_mode = k.mode;
+  cfg.seed = kSeed;
 }
 
 constexpr size_t kGuard = 64;  // guard bytes on each side of every buffer
