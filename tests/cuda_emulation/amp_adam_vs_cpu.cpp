@@ -43,6 +43,7 @@ struct AmpCase {
   std::vector<int64_t> sizes;
   bool write_back, norm, per_tensor, misalign;
   int poison = 0;  // 0 none, 1 one inf, 2 one NaN, 3 a subnormal scale (inv_scale = inf)
+  int64_t max_blocks = int64_t(1) << 30;  // blocks per launch: small ones end launches mid-tensor
 };
 
 void run_amp(const AmpCase& k, uint64_t seed) {
@@ -103,10 +104,12 @@ void run_amp(const AmpCase& k, uint64_t seed) {
   const int64_t ws_bytes = cuda::amp_check_workspace_bytes(GL, k.norm, k.per_tensor);
   std::vector<double> ws(size_t(ws_bytes / 8 + 1));
   std::memset(ws.data(), 0x7F, ws.size() * 8);
+  mpf_emulation::max_blocks_per_launch = k.max_blocks;
   const cudaError_t err = cuda::amp_check(GL, &dev_inv, k.write_back, &dev_found,
                                           k.norm ? &dev_norm : nullptr,
                                           k.per_tensor ? per_ptrs.data() : nullptr,
                                           ws_bytes ? ws.data() : nullptr, nullptr);
+  mpf_emulation::max_blocks_per_launch = int64_t(1) << 30;
   EXPECT(err == cudaSuccess, "%s: amp_check returned %d", k.name, int(err));
   EXPECT(cudaGetLastError() == cudaSuccess, "%s: error left behind", k.name);
 
@@ -163,6 +166,7 @@ struct AdamCase {
   bool amsgrad = false, maximize = false, decoupled = true, misalign = false;
   bool grad_scale = false, clip = false, lr_ptr = false, has_found = false;
   float found = 0.f;
+  int64_t max_blocks = int64_t(1) << 30;
 };
 
 struct AdamTensor {
@@ -267,7 +271,9 @@ void run_adam(const AdamCase& k, uint64_t seed) {
   cuda::AdamConfig cfg{};
   emu_test::fill_adam_config(cfg, k, {&lr, &grad_scale, &found, &norm_sq, max_grad_norm});
   cfg.amsgrad = k.amsgrad;
+  mpf_emulation::max_blocks_per_launch = k.max_blocks;
   EXPECT(cuda::adam_step(L, cfg, nullptr) == cudaSuccess, "%s: adam_step", k.name);
+  mpf_emulation::max_blocks_per_launch = int64_t(1) << 30;
   EXPECT(cuda::increment_steps(counters.data(), n, cfg.found_inf, nullptr) == cudaSuccess,
          "%s: increment_steps", k.name);
   EXPECT(cudaGetLastError() == cudaSuccess, "%s: error left behind", k.name);
@@ -301,6 +307,12 @@ int main(int argc, char** argv) {
   amp.push_back(AmpCase{"amp_check: all empty", {0, 0, 0}, true, true, true, false});
   // > 32 chunks in one tensor: the per-tensor finalize warp strides over its partials.
   amp.push_back(AmpCase{"amp_check: a tensor of 40 chunks", {5, 40 * 65536 - 3, 7}, true, true, true, false});
+  // Launches of 3 blocks: tensors (and their per-tensor norm segments) span launches.
+  for (int per = 0; per < 2; ++per) {
+    AmpCase c{"amp_check: 3 blocks per launch", {5, 40 * 65536 - 3, 7, 2 * 65536 + 1, 0, 65536}, true, true, per == 1, true};
+    c.max_blocks = 3;
+    amp.push_back(c);
+  }
   for (int poison = 1; poison <= 3; ++poison) {
     amp.push_back(AmpCase{"amp_check: non-finite", standard_sizes(), true, true, true, true, poison});
     amp.push_back(AmpCase{"amp_check: non-finite, check only", many_sizes(300, 200), false, false, false, false, poison});
@@ -326,6 +338,12 @@ int main(int argc, char** argv) {
   {
     AdamCase c{"adam_step: 700 small tensors (several launches, 2 step launches)", many_sizes(700, 90), kFp32Master};
     c.grad_scale = c.misalign = true;
+    adam.push_back(c);
+  }
+  for (int mode : {kFp32Master, kStochastic}) {
+    AdamCase c{"adam_step: 2 blocks per launch (tensors span launches)", standard_sizes(), mode};
+    c.max_blocks = 2;
+    c.amsgrad = c.grad_scale = true;
     adam.push_back(c);
   }
   {

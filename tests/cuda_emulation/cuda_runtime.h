@@ -6,10 +6,11 @@
 // order, each block as blockDim.x cooperative threads (ucontext fibers) with CUDA's collective
 // semantics:
 //   __syncthreads / __syncthreads_or / _and / _count: a block barrier; a barrier reached while
-//       other threads of the block have exited, or a barrier only part of the block reaches, is
-//       reported as an error (divergent barrier);
-//   __shfl_down_sync / __shfl_xor_sync / __shfl_sync: full-warp shuffles (mask 0xffffffff, width
-//       32); a shuffle some lanes of the warp never reach is reported as a deadlock;
+//       other threads of the block have exited, a barrier only part of the block reaches, or
+//       threads meeting at different barrier calls (source lines) is reported as an error;
+//   __shfl_down_sync / __shfl_xor_sync / __shfl_sync / __syncwarp: full-warp collectives (mask
+//       0xffffffff, width 32, lane arguments in [0, 32)); lanes that never reach it, or reach
+//       different calls, are reported;
 //   __shared__: a static thread_local. Before each block the program's thread-local block is
 //       filled with 0xFF bytes (NaN as float or double), so a block never sees another block's
 //       shared memory and a read before any write sees garbage. (Hence the programs built with
@@ -31,7 +32,8 @@
 // release by every arriving thread and an acquire by every leaving one, switches between fibers
 // synchronize nothing, so two threads of a block touching the same shared or global memory
 // without a barrier between them is reported as a data race (compute-sanitizer's racecheck, on
-// the host). Blocks run one after the other, so races between blocks are not seen.
+// the host). As on a GPU, a shuffle orders no memory (only __syncwarp and barriers do). Blocks run
+// one after the other, so races between blocks are not seen.
 #pragma once
 #define MPF_CUDA_HOST_EMULATION 1
 
@@ -45,6 +47,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <random>
+#include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -61,6 +64,8 @@
 // kernel shares, so its writes are not recorded.
 extern "C" void AnnotateIgnoreWritesBegin(const char* file, int line);
 extern "C" void AnnotateIgnoreWritesEnd(const char* file, int line);
+extern "C" void AnnotateIgnoreReadsBegin(const char* file, int line);
+extern "C" void AnnotateIgnoreReadsEnd(const char* file, int line);
 #endif
 
 #define __global__
@@ -123,6 +128,9 @@ struct Block {
   std::atomic<int> wait[kMaxThreads];
   std::atomic<bool> done[kMaxThreads];
   int flag[kMaxThreads];
+  const char* site_file[kMaxThreads];  // the collective call each parked thread waits at
+  int site_line[kMaxThreads];
+  std::string message;
   uint64_t xchg[2][kMaxThreads];
   int parity[kMaxThreads];
   void (*body)(void*) = nullptr;
@@ -172,17 +180,20 @@ inline void seed(uint64_t s) {
   std::abort();
 }
 
-// Thread side of a switch: park at `kind` and hand control back to the scheduler. `sync`: the
-// TSan sync object of this barrier or shuffle.
-inline void park(int kind, void* sync) {
+// Thread side of a switch: park at `kind` (the collective called at file:line) and hand control
+// back to the scheduler. `sync`: the TSan sync object of this barrier, null for a shuffle (which
+// orders no memory).
+inline void park(int kind, void* sync, const char* file, int line) {
   Block& b = block();
   const int t = b.cur;
+  b.site_file[t] = file;
+  b.site_line[t] = line;
   b.set_wait(t, kind);
 #ifdef MPF_EMU_TSAN
-  __tsan_release(sync);
+  if (sync) __tsan_release(sync);
   __tsan_switch_to_fiber(b.main_fiber, __tsan_switch_to_fiber_no_sync);
   swapcontext(&b.ctx[t], &b.main_ctx);
-  __tsan_acquire(sync);
+  if (sync) __tsan_acquire(sync);
 #elif defined(MPF_EMU_ASAN)
   void* fake = nullptr;
   __sanitizer_start_switch_fiber(&fake, b.main_bottom, b.main_size);
@@ -242,6 +253,25 @@ inline void poison_shared_memory() {
         return 1;  // the program only
       },
       nullptr);
+}
+
+// Whether threads [lo, hi) wait at the same call; if not, b.error says where they wait.
+inline bool same_site(Block& b, int lo, int hi, const char* what) {
+#ifdef MPF_EMU_TSAN  // the threads' bookkeeping, read by the scheduler: not kernel memory
+  AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
+  struct End {
+    ~End() { AnnotateIgnoreReadsEnd(__FILE__, __LINE__); }
+  } end;
+#endif
+  for (int t = lo + 1; t < hi; ++t)
+    if (b.site_line[t] != b.site_line[lo] || std::strcmp(b.site_file[t], b.site_file[lo]) != 0) {
+      b.message = std::string(what) + " reached at different calls: thread " + std::to_string(lo) +
+                  " at " + b.site_file[lo] + ":" + std::to_string(b.site_line[lo]) + ", thread " +
+                  std::to_string(t) + " at " + b.site_file[t] + ":" + std::to_string(b.site_line[t]);
+      b.error = b.message.c_str();
+      return false;
+    }
+  return true;
 }
 
 // Runs body(arg) as n cooperative threads. False (b.error says why) on a divergent barrier or a
@@ -305,6 +335,7 @@ inline bool run_block(int n, void (*body)(void*), void* arg) {
       return true;
     }
     if (nbarrier == n) {
+      if (!same_site(b, 0, n, "__syncthreads")) return false;
       for (int t = 0; t < n; ++t) b.set_wait(t, Block::kRun);
       continue;
     }
@@ -318,6 +349,7 @@ inline bool run_block(int n, void (*body)(void*), void* arg) {
       bool all = true;
       for (int t = lo; t < hi; ++t) all = all && !b.finished(t) && b.waiting(t) == w;
       if (all) {
+        if (!same_site(b, lo, hi, "warp collective")) return false;
         for (int t = lo; t < hi; ++t) b.set_wait(t, Block::kRun);
         released = true;
       }
@@ -333,24 +365,47 @@ inline bool run_block(int n, void (*body)(void*), void* arg) {
 // used alternately: a lane reuses one only after the next warp barrier, when every lane of its
 // warp has read it.
 template <typename T, typename Src>
-inline T shuffle(unsigned mask, T v, int width, Src src) {
+inline T shuffle(unsigned mask, T v, int width, int arg, Src src, const char* file, int line) {
   static_assert(std::is_trivially_copyable<T>::value && sizeof(T) <= 8, "shuffle operand");
   Block& b = block();
   const int t = b.cur, lane = t % kWarp, base = t - lane;
   if (mask != 0xffffffffu || width != kWarp) fail("only full-warp shuffles are emulated");
+  if (arg < 0 || arg >= kWarp) fail("shuffle lane argument outside [0, 32): not emulated");
   if (base + kWarp > b.n) fail("shuffle in a partial warp");
   const int buf = b.parity[t];
   b.parity[t] ^= 1;
   uint64_t raw = 0;
   std::memcpy(&raw, &v, sizeof(T));
+#ifdef MPF_EMU_TSAN  // the exchange is register traffic on a GPU, not memory the kernel shares
+  AnnotateIgnoreWritesBegin(__FILE__, __LINE__);
   b.xchg[buf][t] = raw;
-  park(t / kWarp, warp_sync(buf));
+  AnnotateIgnoreWritesEnd(__FILE__, __LINE__);
+#else
+  b.xchg[buf][t] = raw;
+#endif
+  park(t / kWarp, nullptr, file, line);
   const int from = src(lane);
-  if (from < 0 || from >= kWarp) return v;
-  T out;
+#ifdef MPF_EMU_TSAN
+  AnnotateIgnoreReadsBegin(__FILE__, __LINE__);
   raw = b.xchg[buf][base + from];
+  AnnotateIgnoreReadsEnd(__FILE__, __LINE__);
+#else
+  raw = b.xchg[buf][base + from];
+#endif
+  T out;
   std::memcpy(&out, &raw, sizeof(T));
   return out;
+}
+
+// __syncwarp with the full mask: a warp barrier that, unlike a shuffle, orders memory.
+inline void syncwarp(unsigned mask, const char* file, int line) {
+  Block& b = block();
+  const int t = b.cur;
+  if (mask != 0xffffffffu) fail("only full-warp __syncwarp is emulated");
+  if (t - t % kWarp + kWarp > b.n) fail("__syncwarp in a partial warp");
+  const int buf = b.parity[t];
+  b.parity[t] ^= 1;
+  park(t / kWarp, warp_sync(buf), file, line);
 }
 
 // The kernel's by-value parameters are built once per launch; each thread gets its own copies.
@@ -422,42 +477,57 @@ inline const char* cudaGetErrorString(cudaError_t e) {
   }
 }
 
-inline void __syncthreads() {
-  mpf_emulation::park(mpf_emulation::Block::kBarrier, mpf_emulation::barrier_sync());
+// Every collective records its call site (default arguments evaluated at the caller), so threads
+// meeting at different calls are reported.
+#define MPF_EMU_SITE const char *file = __builtin_FILE(), int line = __builtin_LINE()
+
+inline void __syncthreads(MPF_EMU_SITE) {
+  mpf_emulation::park(mpf_emulation::Block::kBarrier, mpf_emulation::barrier_sync(), file, line);
+}
+
+inline void __syncwarp(unsigned mask = 0xffffffffu, MPF_EMU_SITE) {
+  mpf_emulation::syncwarp(mask, file, line);
 }
 
 // Block-wide vote: everyone posts, barrier, everyone reads, barrier (so no flag is overwritten by
 // the next vote before every thread has read this one).
 template <typename Combine>
-inline int mpf_emu_vote(int p, Combine combine) {
+inline int mpf_emu_vote(int p, Combine combine, const char* file, int line) {
   mpf_emulation::Block& b = mpf_emulation::block();
   b.flag[b.cur] = p;
-  __syncthreads();
+  __syncthreads(file, line);
   int r = combine(b.flag, b.n);
-  __syncthreads();
+  __syncthreads(file, line);
   return r;
 }
-inline int __syncthreads_or(int p) {
-  return mpf_emu_vote(p, [](const int* f, int n) { return int(std::any_of(f, f + n, [](int x) { return x != 0; })); });
+inline int __syncthreads_or(int p, MPF_EMU_SITE) {
+  return mpf_emu_vote(
+      p, [](const int* f, int n) { return int(std::any_of(f, f + n, [](int x) { return x != 0; })); },
+      file, line);
 }
-inline int __syncthreads_and(int p) {
-  return mpf_emu_vote(p, [](const int* f, int n) { return int(std::all_of(f, f + n, [](int x) { return x != 0; })); });
+inline int __syncthreads_and(int p, MPF_EMU_SITE) {
+  return mpf_emu_vote(
+      p, [](const int* f, int n) { return int(std::all_of(f, f + n, [](int x) { return x != 0; })); },
+      file, line);
 }
-inline int __syncthreads_count(int p) {
-  return mpf_emu_vote(p, [](const int* f, int n) { return int(std::count_if(f, f + n, [](int x) { return x != 0; })); });
+inline int __syncthreads_count(int p, MPF_EMU_SITE) {
+  return mpf_emu_vote(
+      p, [](const int* f, int n) { return int(std::count_if(f, f + n, [](int x) { return x != 0; })); },
+      file, line);
 }
 
 template <typename T>
-inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
-  return mpf_emulation::shuffle(mask, v, width, [delta](int lane) {
+inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32, MPF_EMU_SITE) {
+  return mpf_emulation::shuffle(mask, v, width, int(delta), [delta](int lane) {
     return lane + int(delta) < mpf_emulation::kWarp ? lane + int(delta) : lane;
-  });
+  }, file, line);
 }
 template <typename T>
-inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
-  return mpf_emulation::shuffle(mask, v, width, [lane_mask](int lane) { return lane ^ lane_mask; });
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32, MPF_EMU_SITE) {
+  return mpf_emulation::shuffle(mask, v, width, lane_mask, [lane_mask](int lane) { return lane ^ lane_mask; },
+                                file, line);
 }
 template <typename T>
-inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
-  return mpf_emulation::shuffle(mask, v, width, [src_lane](int) { return src_lane; });
+inline T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32, MPF_EMU_SITE) {
+  return mpf_emulation::shuffle(mask, v, width, src_lane, [src_lane](int) { return src_lane; }, file, line);
 }

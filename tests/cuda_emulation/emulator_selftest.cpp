@@ -1,7 +1,10 @@
 // The CUDA emulation itself (cuda_runtime.h here) against CUDA's documented semantics, and proof
-// that it reports the mistakes it is meant to catch: a divergent barrier, a read of shared memory
-// nothing wrote, a bad launch configuration, and (built with -fsanitize=thread, run as
-// `emulator_selftest race`) a missing barrier as a data race.
+// that it reports the mistakes it is meant to catch: a divergent barrier, threads meeting at
+// different barriers or shuffles, a read of shared memory nothing wrote, a bad launch
+// configuration, and (built with -fsanitize=thread, run as `emulator_selftest race-barrier` or
+// `race-shuffle`) a missing barrier as a data race, including one a shuffle does not prevent.
+//
+// usage: emulator_selftest [race-barrier | race-shuffle]
 #include <cuda_runtime.h>
 
 #include "harness.h"
@@ -47,6 +50,32 @@ __global__ void stale_shared(unsigned* out) {
   if (threadIdx.x == 0) out[blockIdx.x] = slot[1];
 }
 
+// Lane 0 writes shared memory, lane 1 reads it after a shuffle (sync false) or a __syncwarp (true).
+// A shuffle orders no memory on a GPU: without __syncwarp this is a race.
+__global__ void across_a_shuffle(int* out, bool sync) {
+  __shared__ int slot;
+  if (threadIdx.x == 0) slot = 42;
+  int v = __shfl_xor_sync(0xffffffffu, int(threadIdx.x), 1);
+  if (sync) __syncwarp();
+  if (threadIdx.x == 1) out[0] = slot + v;  // v: lane 0's index, 0
+}
+
+[[maybe_unused]] __global__ void mismatched_barriers(int* out) {
+  if (threadIdx.x % 2) {
+    __syncthreads();
+  } else {
+    __syncthreads();
+  }
+  out[threadIdx.x] = 1;
+}
+
+[[maybe_unused]] __global__ void mismatched_shuffles(int* out) {
+  int v = int(threadIdx.x);
+  if (threadIdx.x % 2) v = __shfl_xor_sync(0xffffffffu, v, 1);
+  else v = __shfl_down_sync(0xffffffffu, v, 1);
+  out[threadIdx.x] = v;
+}
+
 [[maybe_unused]] __global__ void divergent_barrier(int* out) {
   if (threadIdx.x < 16) __syncthreads();
   out[threadIdx.x] = 1;
@@ -61,10 +90,17 @@ __global__ void stale_shared(unsigned* out) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc > 1 && std::strcmp(argv[1], "race") == 0) {
-    // Only the racy kernel: under TSan this must end in a data-race report.
+  if (argc > 1) {
+    // Only one racy kernel: under TSan this must end in a data-race report.
     std::vector<int> out(4 * 256, 0);
-    MPF_LAUNCH(4, 256, nullptr, broadcast)(out.data(), false);
+    if (std::strcmp(argv[1], "race-barrier") == 0) {
+      MPF_LAUNCH(4, 256, nullptr, broadcast)(out.data(), false);
+    } else if (std::strcmp(argv[1], "race-shuffle") == 0) {
+      MPF_LAUNCH(1, 64, nullptr, across_a_shuffle)(out.data(), false);
+    } else {
+      std::printf("unknown argument %s\n", argv[1]);
+      return 2;
+    }
     std::printf("racy kernel ran\n");
     return 0;
   }
@@ -110,6 +146,12 @@ int main(int argc, char** argv) {
     cases += 2;
   }
   {
+    int out[1] = {0};
+    MPF_LAUNCH(1, 64, nullptr, across_a_shuffle)(out, true);  // racecheck: no report
+    EXPECT(cudaGetLastError() == cudaSuccess && out[0] == 42, "write, __syncwarp, read: %d", out[0]);
+    ++cases;
+  }
+  {
     unsigned out[3] = {0, 0, 0};
     MPF_LAUNCH(3, 32, nullptr, stale_shared)(out);
     EXPECT(cudaGetLastError() == cudaSuccess, "stale_shared launch");
@@ -125,8 +167,12 @@ int main(int argc, char** argv) {
     EXPECT(cudaGetLastError() == cudaErrorLaunchFailure, "a divergent barrier went unreported");
     MPF_LAUNCH(1, 64, nullptr, barrier_after_exit)(out.data());
     EXPECT(cudaGetLastError() == cudaErrorLaunchFailure, "a barrier after an exit went unreported");
+    MPF_LAUNCH(1, 64, nullptr, mismatched_barriers)(out.data());
+    EXPECT(cudaGetLastError() == cudaErrorLaunchFailure, "different __syncthreads calls met");
+    MPF_LAUNCH(1, 64, nullptr, mismatched_shuffles)(out.data());
+    EXPECT(cudaGetLastError() == cudaErrorLaunchFailure, "different shuffle calls met");
     EXPECT(cudaGetLastError() == cudaSuccess, "cudaGetLastError must clear the error");
-    cases += 2;
+    cases += 4;
   }
 #endif
   {
