@@ -65,9 +65,7 @@ void run_case(const Case& k, const Maps& maps, uint64_t seed) {
     t.n = k.sizes[i];
     t.dtype = int(i % 3);
     const size_t es = elem_size(t.dtype);
-    // Misaligned cases: operand i % 6 of tensor i is one element past aligned (i % 6 == 5: none),
-    // so each vector-path condition is the only one failing for some tensor.
-    auto mis = [&](int operand) -> size_t { return k.misalign && int(i % 6) == operand ? 1 : 0; };
+    const auto mis = emu_test::one_operand_misaligned(k.misalign, int64_t(i), 5);
     t.p.init(t.n * es, mis(0) * es);
     t.g.init(t.n * es, mis(1) * es);
     t.c1.init(t.n, mis(2));
@@ -76,10 +74,9 @@ void run_case(const Case& k, const Maps& maps, uint64_t seed) {
     t.a1.init(nb * 4, 0);
     t.a2.init(nb * 4, 0);
     t.step.init(4, 0);
-    const bool fp32_master = k.mode == kFp32Master && t.dtype != kFloat32;
-    const bool remainder = k.mode == kRemainder && t.dtype == kBFloat16;
-    if (fp32_master) t.master.init(t.n * 4, mis(4) * 4);
-    if (remainder) t.master.init(t.n * 2, mis(4) * 2);
+    const size_t mb = emu_test::master_bytes(k.mode, t.dtype);
+    if (mb) t.master.init(t.n * mb, mis(4) * mb);
+    const bool fp32_master = mb == 4, remainder = mb == 2;
     for (int64_t j = 0; j < t.n; ++j) {
       const float w = normal(rng) * 0.5f;
       put(t.p, t.dtype, j, w);

@@ -187,18 +187,15 @@ void run_adam(const AdamCase& k, uint64_t seed) {
     t.n = k.sizes[i];
     t.dtype = int(i % 3);
     const size_t es = elem_size(t.dtype);
-    // Misaligned cases: operand i % 7 of tensor i is one element past aligned (i % 7 == 6: none),
-    // so each vector-path condition is the only one failing for some tensor.
-    auto mis = [&](int operand) -> size_t { return k.misalign && int(i % 7) == operand ? 1 : 0; };
+    const auto mis = emu_test::one_operand_misaligned(k.misalign, i, 6);
     t.p.init(t.n * es, mis(0) * es);
     t.g.init(t.n * es, mis(1) * es);
     t.m.init(t.n * 4, mis(2) * 4);
     t.v.init(t.n * 4, mis(3) * 4);
     if (k.amsgrad) t.vmax.init(t.n * 4, mis(4) * 4);
-    const bool fp32_master = k.mode == kFp32Master && t.dtype != kFloat32;
-    const bool remainder = k.mode == kRemainder && t.dtype == kBFloat16;
-    if (fp32_master) t.master.init(t.n * 4, mis(5) * 4);
-    if (remainder) t.master.init(t.n * 2, mis(5) * 2);
+    const size_t mb = emu_test::master_bytes(k.mode, t.dtype);
+    if (mb) t.master.init(t.n * mb, mis(5) * mb);
+    const bool fp32_master = mb == 4, remainder = mb == 2;
     for (int64_t j = 0; j < t.n; ++j) {
       const float w = normal(rng) * 0.5f;
       put(t.p, t.dtype, j, w);

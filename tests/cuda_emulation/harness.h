@@ -10,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "mpfused/adam_math.h"  // MasterMode
 #include "mpfused/dtype.h"
 
 #if defined(__SANITIZE_ADDRESS__)
@@ -130,6 +131,21 @@ struct Buf {
     MPF_POISON(mem.data() + off + bytes, mem.size() - off - bytes);
   }
 };
+
+// Misaligned cases: operand `tensor % (operands + 1)` of a tensor is one element past aligned
+// (none when that is `operands`), so each alignment condition of a vector path is the only one
+// failing for some tensor. Returns operand -> misalignment in elements.
+inline auto one_operand_misaligned(bool on, int64_t tensor, int operands) {
+  return [=](int operand) -> size_t { return on && int(tensor % (operands + 1)) == operand ? 1 : 0; };
+}
+
+// Bytes per element of the master operand the Adam kernels keep for a master mode and param
+// dtype: 4 (fp32 master of a 16-bit param), 2 (int16 remainder of a bf16 param) or 0 (none).
+inline size_t master_bytes(int mode, int dtype) {
+  if (mode == mpfused::kFp32Master && dtype != mpfused::kFloat32) return 4;
+  if (mode == mpfused::kRemainder && dtype == mpfused::kBFloat16) return 2;
+  return 0;
+}
 
 inline size_t elem_size(int dt) { return dt == mpfused::kFloat32 ? 4 : 2; }
 
