@@ -158,6 +158,28 @@ size_t run_update_scale(uint64_t seed) {
   return cases;
 }
 
+// ---- increment_steps at its launch boundaries (500 counters per launch) -----------------------
+size_t run_increment_steps() {
+  size_t cases = 0;
+  for (int64_t n : {0, 1, 499, 500, 501, 1000, 1234}) {
+    for (float found : {0.f, 1.f}) {
+      std::vector<float> steps(size_t(n) + 1);
+      std::vector<float*> ptrs;
+      for (int64_t i = 0; i < n; ++i) {
+        steps[i] = float(i % 7);
+        ptrs.push_back(&steps[i]);
+      }
+      steps[n] = -1.f;  // past the list: never touched
+      EXPECT(cuda::increment_steps(ptrs.data(), n, &found, nullptr) == cudaSuccess, "increment_steps");
+      bool ok = steps[n] == -1.f;
+      for (int64_t i = 0; i < n; ++i) ok = ok && steps[i] == float(i % 7) + (found > 0.f ? 0.f : 1.f);
+      EXPECT(ok, "increment_steps n=%lld found_inf=%g", (long long)n, found);
+      ++cases;
+    }
+  }
+  return cases;
+}
+
 // ---- adam_step + increment_steps ---------------------------------------------------------------
 struct AdamCase {
   const char* name;
@@ -318,6 +340,7 @@ int main(int argc, char** argv) {
   cases += amp.size();
 
   cases += run_update_scale(seed++);
+  cases += run_increment_steps();
 
   std::vector<AdamCase> adam;
   for (int mode : {kNoMaster, kFp32Master, kRemainder, kStochastic})

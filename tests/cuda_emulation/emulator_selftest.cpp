@@ -76,6 +76,12 @@ __global__ void across_a_shuffle(int* out, bool sync) {
   out[threadIdx.x] = v;
 }
 
+// Lane 5 leaves before its warp's shuffle (undefined with the full mask).
+[[maybe_unused]] __global__ void shuffle_after_exit(int* out) {
+  if (threadIdx.x == 5) return;
+  out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, int(threadIdx.x), 1);
+}
+
 [[maybe_unused]] __global__ void divergent_barrier(int* out) {
   if (threadIdx.x < 16) __syncthreads();
   out[threadIdx.x] = 1;
@@ -171,8 +177,10 @@ int main(int argc, char** argv) {
     EXPECT(cudaGetLastError() == cudaErrorLaunchFailure, "different __syncthreads calls met");
     MPF_LAUNCH(1, 64, nullptr, mismatched_shuffles)(out.data());
     EXPECT(cudaGetLastError() == cudaErrorLaunchFailure, "different shuffle calls met");
+    MPF_LAUNCH(1, 64, nullptr, shuffle_after_exit)(out.data());
+    EXPECT(cudaGetLastError() == cudaErrorLaunchFailure, "a shuffle with an exited lane completed");
     EXPECT(cudaGetLastError() == cudaSuccess, "cudaGetLastError must clear the error");
-    cases += 4;
+    cases += 5;
   }
 #endif
   {
