@@ -117,7 +117,7 @@ constexpr size_t kStack = size_t(1) << 16;
 
 // One block: its threads, where each one waits, the shuffle exchange buffers.
 struct Block {
-  static constexpr int kRun = -2, kBarrier = -1;  // wait[t] >= 0: at a shuffle of warp wait[t]
+  static constexpr int kRun = -2, kBarrier = -1;  // wait[t] >= 0: at a collective of warp wait[t]
   int n = 0;
   int cur = 0;
   const char* error = nullptr;
@@ -145,7 +145,7 @@ struct Block {
   void* fiber[kMaxThreads] = {};
   int barriers[kMaxThreads];                 // barriers passed by each thread
   char barrier_sync[2];                      // sync objects of even / odd barriers
-  char warp_sync[2][kMaxThreads / kWarp];    // of each warp's even / odd shuffles
+  char warp_sync[2][kMaxThreads / kWarp];    // of each warp's even / odd __syncwarp
   char exit_sync;                            // every thread's exit -> the end of the block
 #endif
 
