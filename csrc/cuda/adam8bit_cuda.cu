@@ -84,17 +84,17 @@ struct alignas(sizeof(T) * V) VecN {
   T v[V];
 };
 
-__host__ __device__ __forceinline__ bool aligned(const void* p, unsigned bytes) {
+__device__ __forceinline__ bool aligned(const void* p, unsigned bytes) {
   return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
 }
 
-__host__ __device__ __forceinline__ uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
+__device__ __forceinline__ uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
 
 // kVec elements from p[e..]: one vector access when `vec` and the whole vector is in range,
 // else element by element (the first cnt). Out-of-range entries are left as they are.
 template <typename T>
-__host__ __device__ __forceinline__ void load_n(const T* p, int e, int cnt, bool vec,
-                                                T* out) {
+__device__ __forceinline__ void load_n(const T* p, int e, int cnt, bool vec,
+                                       T* out) {
   if (vec && cnt >= kVec) {
     const VecN<T, kVec> x = *reinterpret_cast<const VecN<T, kVec>*>(p + e);
 #pragma unroll
@@ -107,8 +107,8 @@ __host__ __device__ __forceinline__ void load_n(const T* p, int e, int cnt, bool
 }
 
 template <typename T>
-__host__ __device__ __forceinline__ void store_n(T* p, int e, int cnt, bool vec,
-                                                 const T* in) {
+__device__ __forceinline__ void store_n(T* p, int e, int cnt, bool vec,
+                                        const T* in) {
   if (vec && cnt >= kVec) {
     VecN<T, kVec> x;
 #pragma unroll
@@ -123,8 +123,8 @@ __host__ __device__ __forceinline__ void store_n(T* p, int e, int cnt, bool vec,
 
 // Thread 0: this tensor's scalars, exactly as the CPU binding forms them (grad_mult: float
 // reciprocal, clip coefficient in double then float) and AdamFunctor in adam_cuda.cu.
-__host__ __device__ __forceinline__ void tensor_scalars(const MtaChunk<kAdam8bitDepth>& c,
-                                                        const Adam8bitConfig& cfg, Shared& sh) {
+__device__ __forceinline__ void tensor_scalars(const MtaChunk<kAdam8bitDepth>& c,
+                                               const Adam8bitConfig& cfg, Shared& sh) {
   float grad_mult = cfg.grad_scale != nullptr ? 1.f / *cfg.grad_scale : 1.f;
   if (cfg.norm_sq != nullptr && cfg.max_grad_norm > 0) {
     const double norm = sqrt(double(*cfg.norm_sq));
