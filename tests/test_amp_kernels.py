@@ -58,6 +58,22 @@ def test_check_only_writes_nothing(device, backend):
         assert torch.equal(g, b)
 
 
+@pytest.mark.parametrize("inv", [1 / 3, 1 / 1000.7, 0.7])
+def test_finite_at_any_scale(device, backend, inv):
+    """Finite grads stay finite when 1/scale is not a power of two, so most products x * inv are
+    rounded (and some tiny ones are subnormal): a non-finite test on x*inv that compiles to the
+    product's rounding error (an FMA-contracted x*inv - x*inv) flags them."""
+    grads = make_grads(device)
+    grads.append(torch.tensor([1e-38, -3e-39, 1.1754944e-38, 2.0**-126 * 1.5], device=device))
+    expect = [g.clone() for g in grads]
+    found, norm, _ = run_check("unscale_grads_", grads, backend, inv=inv)
+    efound, enorm, _ = run_check("unscale_grads_", expect, "reference", inv=inv)
+    assert found.item() == efound.item() == 0.0
+    for g, e in zip(grads, expect):
+        assert_close(g, e)
+    assert_close(norm, enorm, dtype=torch.float32, rtol=1e-5)
+
+
 @pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
 @pytest.mark.parametrize("where", ["first", "last_of_odd", "middle_tensor_only"])
 def test_found_inf(device, backend, bad, where):
@@ -149,6 +165,25 @@ def test_update_scale(device, backend, case):
             traj.append((scale.item(), gt.item(), ht.item()))
         states.append(traj)
     assert states[0] == states[1]
+
+
+@pytest.mark.parametrize("growth,backoff", [(1.5, 0.7), (1.001, 0.9)])
+def test_update_scale_any_factors(device, backend, growth, backoff):
+    """Factors whose products are rounded: the grown scale is finite and must be taken (a
+    finiteness test compiled into the product's rounding error would refuse it)."""
+    states = []
+    for be in (backend, "reference"):
+        scale = torch.full((), 3.0, device=device)
+        gt = torch.zeros((), dtype=torch.int32, device=device)
+        ht = torch.ones((), dtype=torch.int32, device=device)
+        traj = []
+        for f in [0, 0, 0, 1, 0, 0, 0, 0]:
+            OPS["update_scale_"](scale, gt, ht, torch.tensor(float(f), device=device), growth,
+                                 backoff, 1, 1, 0.0, float("inf"), backend=be)
+            traj.append(scale.item())
+        states.append(traj)
+    assert states[0] == states[1]
+    assert states[0][2] > 3.0 * growth  # grown at every step before the inf
 
 
 def test_update_scale_matches_torch(device, backend):

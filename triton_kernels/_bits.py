@@ -6,6 +6,12 @@ import triton.language as tl
 DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
+def num_warps_for(block: int) -> int:
+    """Warps per program of an elementwise block (Liger-Kernel's calculate_settings steps):
+    at most 16 elements per thread, so no kernel here spills registers (tests/test_triton_compile)."""
+    return 4 if block < 2048 else 8 if block < 8192 else 16
+
+
 def as_kernel_arg(t: torch.Tensor) -> torch.Tensor:
     """bf16 tensors travel as int16 views; the kernel decodes them with integer ops."""
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
@@ -33,4 +39,7 @@ def store_f32(ptr, offs, x, mask, DT: tl.constexpr):
 
 @triton.jit
 def is_nonfinite(x):
-    return (x - x) != 0.0  # inf - inf and NaN - NaN are NaN; finite - itself is 0
+    # platform.h::is_finite_f32 negated: exponent all ones (inf or NaN). A bit test, not
+    # `x - x != 0`: compiled with FMA contraction, `x*s - x*s` becomes fma(x, s, -(x*s)), the
+    # product's rounding error, which is nonzero for most finite values.
+    return (x.to(tl.uint32, bitcast=True) & 0x7F800000) == 0x7F800000

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from mpfused.triton_kernels._adam_scalars import adam_scalars, load_weight, store_weight
-from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, load_f32
+from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, load_f32, num_warps_for
 
 BLOCK = 2048
 _M64 = (1 << 64) - 1
@@ -222,7 +222,7 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, s
             DT=DTYPE_CODE[p.dtype], MODE=mode, AMSGRAD=bool(amsgrad), DECOUPLED=bool(decoupled),
             MAXIMIZE=bool(maximize), HAS_LR=lr_tensor is not None,
             HAS_SCALE=grad_scale is not None, HAS_FOUND=found_inf is not None,
-            HAS_NORM=has_norm, BLOCK=BLOCK,
+            HAS_NORM=has_norm, BLOCK=BLOCK, num_warps=num_warps_for(BLOCK),
             enable_fp_fusion=False)  # no FMA contraction: interpreted and compiled runs agree
         for orig, staged in back:
             orig.copy_(staged)  # a skipped step wrote nothing: the copy-back restores the same

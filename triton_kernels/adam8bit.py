@@ -19,7 +19,7 @@ import triton.language as tl
 
 from mpfused.quant_maps import thresholds, zero_code
 from mpfused.triton_kernels._adam_scalars import adam_scalars, load_weight, store_weight
-from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, load_f32
+from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, load_f32, num_warps_for
 from mpfused.triton_kernels.adam import _kernel_mode, _round_f32
 
 MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC = 0, 1, 2, 3
@@ -134,6 +134,7 @@ def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, mas
             DT=DTYPE_CODE[p.dtype], MODE=mode, DECOUPLED=bool(decoupled), MAXIMIZE=bool(maximize),
             HAS_LR=lr_tensor is not None, HAS_SCALE=grad_scale is not None,
             HAS_FOUND=found_inf is not None, HAS_NORM=has_norm, BLOCK=block_size,
+            num_warps=num_warps_for(block_size),
             enable_fp_fusion=False)  # no FMA contraction: rounds as the CPU kernel
         if pk is not p:
             p.copy_(pk)  # a skipped step wrote nothing: the copy-back restores the same

@@ -7,7 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, is_nonfinite, load_f32, store_f32
+from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, is_nonfinite, load_f32,
+                                          num_warps_for, store_f32)
 
 BLOCK = 4096
 
@@ -39,7 +40,9 @@ def _check(grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor, write):
         grid = (triton.cdiv(x.numel(), BLOCK),)
         partial = torch.empty(grid[0] if norm else 1, dtype=torch.float32, device=g.device)
         _check_kernel[grid](as_kernel_arg(x), x.numel(), inv_scale, found_inf, partial,
-                            DT=DTYPE_CODE[g.dtype], WRITE=write, NORM=norm, BLOCK=BLOCK)
+                            DT=DTYPE_CODE[g.dtype], WRITE=write, NORM=norm, BLOCK=BLOCK,
+                            num_warps=num_warps_for(BLOCK),
+                            enable_fp_fusion=False)  # no FMA contraction: rounds as interpreted
         if write and x is not g:
             g.copy_(x)
         if norm:
@@ -81,7 +84,7 @@ def _update_scale_kernel(scale_ptr, growth_ptr, hyst_ptr, found_ptr, growth_fact
     else:
         if g + 1 == growth_interval:
             grown = (scale.to(tl.float64) * growth_factor).to(tl.float32)
-            if (grown - grown) == 0.0:
+            if not is_nonfinite(grown):
                 tl.store(scale_ptr, tl.minimum(grown, max_scale))
             tl.store(growth_ptr, 0)
             tl.store(hyst_ptr, hysteresis)
@@ -93,4 +96,5 @@ def update_scale_(scale, growth_tracker, hysteresis_tracker, found_inf, growth_f
                   backoff_factor, growth_interval, hysteresis, min_scale, max_scale):
     _update_scale_kernel[(1,)](scale, growth_tracker, hysteresis_tracker, found_inf,
                                float(growth_factor), float(backoff_factor), int(growth_interval),
-                               int(hysteresis), float(min_scale), float(max_scale))
+                               int(hysteresis), float(min_scale), float(max_scale),
+                               enable_fp_fusion=False)
