@@ -138,6 +138,20 @@ def test_the_inexact_math_check_can_fail():
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_elementwise_kernels_vectorize(compiled, arch):
+    """Sizes that are multiples of 16 (aligned data, as torch allocates it): the Adam kernel moves
+    its fp32 operands in 16-byte vectors both ways and the check reads 16-byte vectors. Scalar
+    loads would cost the bandwidth the kernels exist for."""
+    report = _report(compiled, arch)
+    for k in report["kernels"]:
+        if k["kernel"] not in ("_adam_kernel", "_check_kernel") or k["signature"]["n"] != "i32":
+            continue
+        assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", k["ptx"]), (k["kernel"], k["constexprs"])
+        if k["kernel"] == "_adam_kernel":
+            assert re.search(r"st\.global(\.\w+)*\.v4\.b32", k["ptx"]), k["constexprs"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_no_register_spills(compiled, arch):
     report = _report(compiled, arch)
     for k in report["kernels"]:

@@ -108,7 +108,9 @@ def ptxas_report(ptx: str, arch: int, fmad: bool) -> dict:
 
 
 # ---- the calls: every kernel specialization the public API can launch ------------------------
-SIZE = 5000  # several programs, a masked tail
+SIZE = 8192  # several programs; a multiple of 16 as most parameter sizes are, so Triton can
+# prove 16-byte alignment of every vector of the mask and vectorize; the 2^31 + 5 elements of
+# drive_64bit_sizes cover a size that is not
 
 
 def _params(dtypes):
