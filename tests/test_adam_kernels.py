@@ -252,14 +252,18 @@ def test_noncontiguous(device, backend, dtype, mode, layout):
 
 # ---- master modes: exactness --------------------------------------------------------------------
 def test_remainder_split_join_exact():
-    # join(split(x)) == x for every fp32 bit pattern (NaN, inf, subnormals, -0 included), and the
-    # param is x rounded to nearest bf16 with ties away from zero.
+    # join(split(x)) == x for every fp32 bit pattern but NaN (inf, subnormals, -0 included), and
+    # the param is x rounded to nearest bf16 with ties away from zero.
     bits = torch.randint(-2**31, 2**31, (1 << 16,), dtype=torch.int64)
     special = torch.tensor([0, -2**31, 0x7F800000, -0x00800000, 0x7FC00000, 1, 0x00008000,
                             0x3F808000, -0x407F8000, 0x7F7FFFFF, 0x7F7F8000], dtype=torch.int64)
     x = torch.cat([bits, special]).to(torch.int32).view(F32)
     p, rem = ref.remainder_split(x)
-    assert torch.equal(ref.remainder_join(p, rem).view(torch.int32), x.view(torch.int32))
+    nan = torch.isnan(x)
+    assert torch.equal(ref.remainder_join(p, rem).view(torch.int32)[~nan],
+                       x.view(torch.int32)[~nan])
+    # every NaN is stored as the canonical quiet NaN, never rounded into -0.0 / +0.0
+    assert (p.view(torch.int16)[nan] == 0x7FC0).all() and (rem[nan] == 0).all()
     finite = torch.isfinite(x) & (x.abs() < 3.3e38)
     u = x.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     lo = u & 0xFFFF
@@ -287,6 +291,23 @@ def test_remainder_kernel_roundtrip_exact(device, backend):
     step(s, backend, lr=0.0, weight_decay=0.0, master_mode=REMAINDER)
     assert torch.equal(s["params"][0].view(torch.int16), p.view(torch.int16))
     assert torch.equal(s["masters"][0], rem)
+
+
+def test_remainder_nan_stays_nan(device, backend):
+    # A NaN master: GPU arithmetic's canonical NaN 0x7FFFFFFF (param 0x8000 + remainder -1 hold
+    # it), x86's 0xFFC00000, a signaling NaN. Rounding 0x7FFFFFFF's high half up would give a
+    # -0.0 param; every backend must store the canonical quiet NaN.
+    p = torch.tensor([-0x8000, -0x0040, 0x7F80], dtype=torch.int16)  # 0x8000, 0xFFC0, 0x7F80
+    rem = torch.tensor([-1, 0, 1], dtype=torch.int16)
+    assert torch.isnan(ref.remainder_join(p.view(BF16), rem)).all()
+    p = p.view(BF16).to(device)
+    w = torch.zeros(3, device=device)
+    s = {"params": [p.clone()], "grads": [torch.zeros_like(p)], "exp_avgs": [w.clone()],
+         "exp_avg_sqs": [w.clone()], "max_exp_avg_sqs": [], "masters": [rem.to(device)],
+         "steps": [torch.tensor(3.0, device=device)]}
+    step(s, backend, lr=0.0, weight_decay=0.0, master_mode=REMAINDER)
+    assert s["params"][0].view(torch.int16).tolist() == [0x7FC0] * 3
+    assert s["masters"][0].tolist() == [0, 0, 0]
 
 
 def test_remainder_equals_fp32_master(device, backend):

@@ -90,8 +90,11 @@ def store_weight(w, p_ptr, master_ptr, offs, mask, seed, ti, slot, DT: tl.conste
         tl.store(master_ptr + offs, w, mask=mask)
         store_f32(p_ptr, offs, w, mask, DT)
     elif MODE == 2:
-        # remainder_split: lo16 -> remainder, hi16 rounded to nearest (ties away from zero)
+        # remainder_split: lo16 -> remainder, hi16 rounded to nearest (ties away from zero);
+        # NaN -> the canonical 0x7FC00000 (GPU arithmetic makes 0x7FFFFFFF, which would round
+        # to a -0.0 param)
         u = w.to(tl.uint32, bitcast=True)
+        u = tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, u)
         lo = u & 0xFFFF
         phi = ((u >> 16) + (lo >> 15)) & 0xFFFF
         tl.store(p_ptr + offs, phi.to(tl.int32).to(tl.int16), mask=mask)

@@ -36,8 +36,10 @@ def step_seed(seed: int, t: float) -> int:
 
 
 def remainder_split(w32: torch.Tensor):
-    """fp32 -> (bf16 param, int16 remainder): hi16 rounded to nearest, ties away from zero."""
+    """fp32 -> (bf16 param, int16 remainder): hi16 rounded to nearest, ties away from zero; a NaN
+    becomes the canonical quiet NaN 0x7FC00000 (param 0x7FC0, remainder 0)."""
     bits = w32.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    bits = torch.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, bits)
     lo = bits & 0xFFFF
     hi = ((bits >> 16) + (lo >= 0x8000).to(torch.int64)) & 0xFFFF
     p = (hi - (hi >= 0x8000).to(torch.int64) * 0x10000).to(torch.int16).view(torch.bfloat16)

@@ -63,14 +63,17 @@ MPF_HD void adam_element(float& w, float g, float& m, float& v, float& vmax, con
 }
 
 // Remainder master (TransformerEngine's trick): the fp32 word is [hi16 | lo16]; the bf16 param
-// holds hi16 rounded to nearest (ties away from zero), the int16 remainder holds lo16.
+// holds hi16 rounded to nearest (ties away from zero), the int16 remainder holds lo16. A NaN is
+// stored as the canonical quiet NaN (param 0x7FC0, remainder 0), as torch converts NaN to bf16:
+// rounding GPU arithmetic's NaN 0x7FFFFFFF up would carry into the sign and leave a -0.0 param.
 MPF_HD float remainder_join(uint16_t p_bits, int16_t rem) {
   const uint32_t hi = rem < 0 ? uint32_t(uint16_t(p_bits - 1)) : uint32_t(p_bits);
   return bits_f32((hi << 16) | uint32_t(uint16_t(rem)));
 }
 
 MPF_HD void remainder_split(float w, uint16_t& p_bits, int16_t& rem) {
-  const uint32_t u = f32_bits(w);
+  uint32_t u = f32_bits(w);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) u = 0x7FC00000u;
   rem = int16_t(uint16_t(u & 0xFFFFu));
   p_bits = uint16_t((u >> 16) + (rem < 0 ? 1u : 0u));
 }
