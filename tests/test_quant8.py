@@ -131,6 +131,33 @@ def test_kernel_roundtrip_of_exact_codes_is_exact(device, backend):
     assert torch.equal(a1d.cpu(), a1) and torch.equal(a2d.cpu(), a2)
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN arithmetic in the reference
+def test_nan_moment_poisons_its_block(device, backend):
+    """A NaN grad without found_inf (bf16 training has no scaler): its block's new absmax is NaN on
+    every backend, as the reference's amax, and the other blocks are untouched by it."""
+    n, block = 1024, 256
+    g = torch.randn(n)
+    g[300] = float("nan")  # block 1
+    outs = []
+    for be in (backend, "reference"):
+        p = torch.zeros(n, device=device)
+        c1 = torch.full((n,), 127, dtype=torch.uint8, device=device)
+        c2 = torch.zeros(n, dtype=torch.uint8, device=device)
+        a1 = torch.zeros(n // block, device=device)
+        a2 = torch.zeros(n // block, device=device)
+        ops.adam8bit_step_([p], [g.to(device)], [c1], [c2], [a1], [a2], [],
+                           [torch.zeros((), device=device)], qm.signed_map(device),
+                           qm.unsigned_map(device), block, 1e-3, None, 0.9, 0.999, 1e-8, 0.0,
+                           False, True, 0, backend=be)
+        outs.append([t.cpu() for t in (a1, a2, c1, c2)])
+    for got, want in zip(*outs):
+        assert torch.equal(got.isnan(), want.isnan())
+    a1, a2 = outs[0][:2]
+    assert a1.isnan().tolist() == [False, True, False, False] == a2.isnan().tolist()
+    for got, want in zip(outs[0][2:], outs[1][2:]):  # codes outside the NaN block
+        assert torch.equal(got[:block], want[:block]) and torch.equal(got[2 * block:], want[2 * block:])
+
+
 @pytest.mark.parametrize("block", [256, 4096])
 def test_quantization_error_within_bitsandbytes_bounds(block):
     # bitsandbytes test_dynamic_blockwise_quantization: randn with the signed map, rand[0,1)

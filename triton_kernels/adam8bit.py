@@ -77,8 +77,12 @@ def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_p
     # ---- store the param ----
     store_weight(w, p_ptr, w_ptr, offs, mask, seed, ti, slot, DT, MODE)
     # ---- new absmax of the updated moments, requantize ----
-    am1 = tl.max(tl.where(mask, tl.abs(m), 0.0), axis=0)
-    am2 = tl.max(tl.where(mask, tl.abs(v), 0.0), axis=0)
+    # max over the bit patterns of |x| (as the CPU and CUDA kernels): ordered as the floats, and a
+    # NaN moment (above inf) gives a NaN absmax; tl.max on floats would skip the NaN
+    am1 = tl.max(tl.where(mask, tl.abs(m), 0.0).to(tl.uint32, bitcast=True), axis=0)
+    am2 = tl.max(tl.where(mask, tl.abs(v), 0.0).to(tl.uint32, bitcast=True), axis=0)
+    am1 = am1.to(tl.float32, bitcast=True)
+    am2 = am2.to(tl.float32, bitcast=True)
     tl.store(a1_ptr + pid, am1)
     tl.store(a2_ptr + pid, am2)
     one = tl.full((), 1.0, tl.float32)

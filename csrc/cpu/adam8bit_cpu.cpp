@@ -193,7 +193,9 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
     const float a1 = absmax1[blk], a2 = absmax2[blk];
     const bool pipe = prev_b0 >= 0;
     const int prv = cur ^ 1;
-    float am1 = 0.f, am2 = 0.f;
+    // new absmax as the bits of max |x| (the CUDA kernel's rule): ordered as the floats for
+    // non-negative values, and a NaN moment (above inf) gives a NaN absmax in any order
+    uint32_t am1 = 0u, am2 = 0u;
     for (int64_t t0 = 0; t0 < len; t0 += kTile) {
       const int64_t tl = len - t0 < kTile ? len - t0 : kTile;
       const int64_t o = b0 + t0;
@@ -218,7 +220,7 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
       // carries the other's masks.
       auto update = [&](auto pipe_tag) __attribute__((always_inline)) {
         constexpr bool PIPE = decltype(pipe_tag)::value;
-        float t1 = am1, t2 = am2;
+        uint32_t t1 = am1, t2 = am2;
 #pragma omp simd reduction(max : t1, t2)
         for (int64_t j = 0; j < tl; ++j) {
           const int64_t i = o + j;
@@ -230,8 +232,9 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
           store_weight<T, MODE>(w, p, master, rem, i, seed, tensor, begin + i);
           mc[j] = m;
           vc[j] = v;
-          t1 = t1 > fabsf(m) ? t1 : fabsf(m);
-          t2 = t2 > fabsf(v) ? t2 : fabsf(v);
+          const uint32_t b1 = f32_bits(fabsf(m)), b2 = f32_bits(fabsf(v));
+          t1 = t1 > b1 ? t1 : b1;
+          t2 = t2 > b2 ? t2 : b2;
           if constexpr (PIPE)
             encode_pair<LUT>(mp_[j], vp_[j], prev_r1, prev_r2, lut1, lut2, thr1, thr2, zc, out1[j], out2[j]);
         }
@@ -251,12 +254,12 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
     if (pipe && len < prev_len)
       requantize<LUT>(mb[prv], vb[prv], c1 + prev_b0, c2 + prev_b0, len, prev_len, prev_r1, prev_r2,
                       lut1, lut2, thr1, thr2, zc);
-    absmax1[blk] = am1;
-    absmax2[blk] = am2;
+    absmax1[blk] = bits_f32(am1);
+    absmax2[blk] = bits_f32(am2);
     prev_b0 = b0;
     prev_len = len;
-    prev_r1 = quant8_inv_scale(am1);
-    prev_r2 = quant8_inv_scale(am2);
+    prev_r1 = quant8_inv_scale(bits_f32(am1));
+    prev_r2 = quant8_inv_scale(bits_f32(am2));
   }
   if (prev_b0 >= 0)
     requantize<LUT>(mb[cur ^ 1], vb[cur ^ 1], c1 + prev_b0, c2 + prev_b0, 0, prev_len, prev_r1,
