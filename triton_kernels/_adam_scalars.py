@@ -6,12 +6,12 @@ L2 weight decay, and the step number t. Read on the device: nothing here syncs w
 import triton
 import triton.language as tl
 
-from mpfused.triton_kernels._bits import load_f32, store_f32
+from mpfused.triton_kernels._bits import f64_from_bits, load_f32, store_f32
 
 
 @triton.jit
-def adam_scalars(step_ptr, lr_ptr, scale_ptr, norm_ptr, lr, beta1, beta1_lo, beta2, beta2_lo, eps,
-                 weight_decay, mgn_hi, mgn_lo, HAS_LR: tl.constexpr, HAS_SCALE: tl.constexpr,
+def adam_scalars(step_ptr, lr_ptr, scale_ptr, norm_ptr, lr, beta1_bits, beta2_bits, eps,
+                 weight_decay, mgn_bits, HAS_LR: tl.constexpr, HAS_SCALE: tl.constexpr,
                  HAS_NORM: tl.constexpr, MAXIMIZE: tl.constexpr, DECOUPLED: tl.constexpr):
     # Float arguments are fp32 tensors when compiled but Python floats (doubles) under the
     # interpreter: tl.full rounds them to fp32 explicitly so both see the CPU kernel's values.
@@ -19,18 +19,18 @@ def adam_scalars(step_ptr, lr_ptr, scale_ptr, norm_ptr, lr, beta1, beta1_lo, bet
         lr32 = tl.load(lr_ptr).to(tl.float32)
     else:
         lr32 = tl.full((), lr, tl.float32)
-    b1 = tl.full((), beta1, tl.float32)
-    b2 = tl.full((), beta2, tl.float32)
+    x1 = f64_from_bits(beta1_bits)  # the fp64 betas, exactly (_bits.f64_bits)
+    x2 = f64_from_bits(beta2_bits)
+    b1 = x1.to(tl.float32)
+    b2 = x2.to(tl.float32)
     eps32 = tl.full((), eps, tl.float32)
     wd = tl.full((), weight_decay, tl.float32)
     # t = step + 1; beta^t in fp64 by binary exponentiation (libdevice pow does not exist in the
     # interpreter): a few fp64 ulps from C's pow, far below the fp32 rounding that follows.
     # The betas enter the bias corrections as fp64 (torch's for-loop and the reference use the
-    # Python floats): each is passed as fp32 hi + lo words (float kernel arguments are fp32).
+    # Python floats).
     ti = (tl.load(step_ptr).to(tl.float64) + 1.0).to(tl.int64)
     e = ti
-    x1 = b1.to(tl.float64) + tl.full((), beta1_lo, tl.float32).to(tl.float64)
-    x2 = b2.to(tl.float64) + tl.full((), beta2_lo, tl.float32).to(tl.float64)
     pw1 = tl.full((), 1.0, tl.float64)
     pw2 = tl.full((), 1.0, tl.float64)
     while e > 0:
@@ -46,10 +46,9 @@ def adam_scalars(step_ptr, lr_ptr, scale_ptr, norm_ptr, lr, beta1, beta1_lo, bet
     if HAS_SCALE:
         gm = tl.div_rn(gm, tl.load(scale_ptr).to(tl.float32))
     if HAS_NORM:
-        # fp64 as the CPU kernel: max_grad_norm (an fp64 split into two fp32 words, since float
-        # kernel arguments are fp32) / (sqrt(norm_sq) + 1e-6), std::min(1.0, q), rounded to fp32.
-        mgn = (tl.full((), mgn_hi, tl.float32).to(tl.float64)
-               + tl.full((), mgn_lo, tl.float32).to(tl.float64))
+        # fp64 as the CPU kernel: max_grad_norm / (sqrt(norm_sq) + 1e-6), std::min(1.0, q),
+        # rounded to fp32.
+        mgn = f64_from_bits(mgn_bits)
         norm = tl.sqrt(tl.load(norm_ptr).to(tl.float32).to(tl.float64))
         q = mgn / (norm + 1e-6)
         clip = tl.where(q < 1.0, q, 1.0)  # std::min(1.0, q): NaN gives 1

@@ -1,4 +1,6 @@
 """Storage-type helpers shared by the Triton kernels."""
+import struct
+
 import torch
 import triton
 import triton.language as tl
@@ -10,6 +12,17 @@ def num_warps_for(block: int) -> int:
     """Warps per program of an elementwise block (Liger-Kernel's calculate_settings steps):
     at most 16 elements per thread, so no kernel here spills registers (tests/test_triton_compile)."""
     return 4 if block < 2048 else 8 if block < 8192 else 16
+
+
+def f64_bits(x: float) -> int:
+    """An fp64 kernel argument, exactly: its bit pattern as an int64 (a float argument is fp32
+    when compiled but a double under the interpreter). The kernel reads it with f64_from_bits."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+@triton.jit
+def f64_from_bits(b):
+    return tl.full((), b, tl.int64).to(tl.float64, bitcast=True)
 
 
 def as_kernel_arg(t: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,9 @@ rounded to fp32, negated for maximize), then the per-element math in fp32 in ada
 with correctly rounded sqrt and division and no FMA contraction (enable_fp_fusion=False: compiled
 and interpreted runs round alike). One deliberate difference: beta^t uses the fp64 betas (torch's
 for-loop and the reference do; the CPU kernel widens the fp32-rounded betas, up to ~1e-5 relative
-on the bias corrections). The CPU kernel's per-ISA clones may contract to FMA, so fp32 results
-agree with it to a few ulps, not bitwise. 16-bit stores use integer ops (bf16 round to nearest
+on the bias corrections; fp64 arguments travel exactly, as bit patterns: _bits.f64_bits). The CPU
+kernel's per-ISA clones may contract to FMA, so fp32 results agree with it to a few ulps, not
+bitwise. 16-bit stores use integer ops (bf16 round to nearest
 even, remainder split with ties away from zero, stochastic rounding from the same splitmix64
 stream: tensor slot = index among the non-empty tensors of the call, element index = logical
 row-major index, so given the same fp32 value the result is bit-identical to the reference's).
@@ -24,25 +25,22 @@ operands); any other is staged through contiguous copies, written back after the
 """
 from __future__ import annotations
 
-import math
-import struct
-
 import torch
 import triton
 import triton.language as tl
 
 from mpfused.triton_kernels._adam_scalars import adam_scalars, load_weight, store_weight
-from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, load_f32, num_warps_for
+from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, load_f32,
+                                          num_warps_for)
 
 BLOCK = 2048
 _M64 = (1 << 64) - 1
 _NO_MASTER, _FP32_MASTER, _REMAINDER, _STOCHASTIC = 0, 1, 2, 3
 
 
-@triton.jit(do_not_specialize=["seed", "slot"])
+@triton.jit(do_not_specialize=["beta1_bits", "beta2_bits", "mgn_bits", "seed", "slot"])
 def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, step_ptr, lr_ptr, scale_ptr,
-                 found_ptr, norm_ptr, n, lr, beta1, beta2, beta1_lo, beta2_lo, eps, weight_decay,
-                 mgn_hi, mgn_lo,
+                 found_ptr, norm_ptr, n, lr, beta1_bits, beta2_bits, eps, weight_decay, mgn_bits,
                  seed, slot, DT: tl.constexpr, MODE: tl.constexpr, AMSGRAD: tl.constexpr,
                  DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_LR: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_FOUND: tl.constexpr, HAS_NORM: tl.constexpr,
@@ -53,8 +51,8 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, step_ptr, lr_
 
     # ---- per-tensor scalars (adam_math.h::adam_scalars) ---------------------------------------
     ti, lr32, b1, b2, eps32, step_size, inv_bc2_sqrt, gm, decay, l2 = adam_scalars(
-        step_ptr, lr_ptr, scale_ptr, norm_ptr, lr, beta1, beta1_lo, beta2, beta2_lo, eps,
-        weight_decay, mgn_hi, mgn_lo, HAS_LR, HAS_SCALE, HAS_NORM, MAXIMIZE, DECOUPLED)
+        step_ptr, lr_ptr, scale_ptr, norm_ptr, lr, beta1_bits, beta2_bits, eps, weight_decay,
+        mgn_bits, HAS_LR, HAS_SCALE, HAS_NORM, MAXIMIZE, DECOUPLED)
     one_m_b1 = 1.0 - b1
     one_m_b2 = 1.0 - b2
 
@@ -83,13 +81,6 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, step_ptr, lr_
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
     store_weight(w, p_ptr, master_ptr, offs, mask, seed, ti, slot, DT, MODE)
-
-
-def _round_f32(x: float) -> float:
-    try:
-        return struct.unpack("f", struct.pack("f", x))[0]
-    except OverflowError:
-        return math.copysign(math.inf, x)
 
 
 def _kernel_mode(dtype: torch.dtype, master_mode: int) -> int:
@@ -192,11 +183,7 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, s
            master_mode, lr_tensor, grad_scale, found_inf, norm_sq)
     has_norm = norm_sq is not None and max_grad_norm > 0
     seed_u64 = int(seed) & _M64
-    # fp64 scalars travel as fp32 hi + lo (x - hi is exact in fp64; lo is rounded to fp32)
-    b1_hi, b2_hi = _round_f32(float(beta1)), _round_f32(float(beta2))
-    b1_lo, b2_lo = float(beta1) - b1_hi, float(beta2) - b2_hi
-    mgn_hi = _round_f32(float(max_grad_norm))
-    mgn_lo = float(max_grad_norm) - mgn_hi if math.isfinite(mgn_hi) else 0.0
+    b1_bits, b2_bits, mgn_bits = f64_bits(beta1), f64_bits(beta2), f64_bits(max_grad_norm)
     slot = 0
     for i, p in enumerate(params):
         if p.numel() == 0:
@@ -217,8 +204,8 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, s
             grad_scale if grad_scale is not None else dummy,
             found_inf if found_inf is not None else dummy,
             norm_sq if has_norm else dummy,
-            n, float(lr), b1_hi, b2_hi, b1_lo, b2_lo, float(eps), float(weight_decay),
-            mgn_hi, mgn_lo, seed_u64, slot,
+            n, float(lr), b1_bits, b2_bits, float(eps), float(weight_decay), mgn_bits,
+            seed_u64, slot,
             DT=DTYPE_CODE[p.dtype], MODE=mode, AMSGRAD=bool(amsgrad), DECOUPLED=bool(decoupled),
             MAXIMIZE=bool(maximize), HAS_LR=lr_tensor is not None,
             HAS_SCALE=grad_scale is not None, HAS_FOUND=found_inf is not None,

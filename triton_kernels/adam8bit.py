@@ -11,16 +11,15 @@ follows); no FMA contraction.
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
 from mpfused.quant_maps import thresholds, zero_code
 from mpfused.triton_kernels._adam_scalars import adam_scalars, load_weight, store_weight
-from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, load_f32, num_warps_for
-from mpfused.triton_kernels.adam import _kernel_mode, _round_f32
+from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, load_f32,
+                                          num_warps_for)
+from mpfused.triton_kernels.adam import _kernel_mode
 
 MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC = 0, 1, 2, 3
 _M64 = (1 << 64) - 1
@@ -40,11 +39,10 @@ def _encode(thr_ptr, x):
     return c
 
 
-@triton.jit(do_not_specialize=["zero_code", "seed", "slot"])
+@triton.jit(do_not_specialize=["beta1_bits", "beta2_bits", "mgn_bits", "zero_code", "seed", "slot"])
 def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_ptr, map2_ptr,
                      thr1_ptr, thr2_ptr, step_ptr, lr_ptr, scale_ptr, found_ptr, norm_ptr,
-                     n, lr, beta1, beta2, beta1_lo, beta2_lo, eps, weight_decay, mgn_hi, mgn_lo,
-                     zero_code, seed, slot, DT: tl.constexpr, MODE: tl.constexpr,
+                     n, lr, beta1_bits, beta2_bits, eps, weight_decay, mgn_bits, zero_code, seed, slot, DT: tl.constexpr, MODE: tl.constexpr,
                      DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_LR: tl.constexpr,
                      HAS_SCALE: tl.constexpr, HAS_FOUND: tl.constexpr, HAS_NORM: tl.constexpr,
                      BLOCK: tl.constexpr):
@@ -56,8 +54,8 @@ def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_p
     mask = offs < n
     # ---- per-tensor scalars (adam_math.h::adam_scalars), shared with triton_kernels/adam.py ----
     ti, lr32, b1, b2, eps32, step_size, inv_bc2_sqrt, gm, decay, l2 = adam_scalars(
-        step_ptr, lr_ptr, scale_ptr, norm_ptr, lr, beta1, beta1_lo, beta2, beta2_lo, eps,
-        weight_decay, mgn_hi, mgn_lo, HAS_LR, HAS_SCALE, HAS_NORM, MAXIMIZE, DECOUPLED)
+        step_ptr, lr_ptr, scale_ptr, norm_ptr, lr, beta1_bits, beta2_bits, eps, weight_decay,
+        mgn_bits, HAS_LR, HAS_SCALE, HAS_NORM, MAXIMIZE, DECOUPLED)
     # ---- fp32 value of the param ----
     w = load_weight(p_ptr, w_ptr, offs, mask, DT, MODE)
     g = load_f32(g_ptr, offs, mask, DT)
@@ -110,11 +108,7 @@ def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, mas
     thr1, thr2 = thresholds(qmap1), thresholds(qmap2)
     zc = zero_code(qmap1)
     has_norm = norm_sq is not None and max_grad_norm > 0
-    # fp64 scalars travel as fp32 hi + lo (as triton_kernels/adam.py)
-    b1_hi, b2_hi = _round_f32(float(beta1)), _round_f32(float(beta2))
-    b1_lo, b2_lo = float(beta1) - b1_hi, float(beta2) - b2_hi
-    mgn_hi = _round_f32(float(max_grad_norm))
-    mgn_lo = float(max_grad_norm) - mgn_hi if math.isfinite(mgn_hi) else 0.0
+    b1_bits, b2_bits, mgn_bits = f64_bits(beta1), f64_bits(beta2), f64_bits(max_grad_norm)
     dummy = torch.zeros(1, dtype=torch.float32, device=dev)
     slot = 0
     for i, p in enumerate(params):
@@ -133,8 +127,8 @@ def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, mas
             grad_scale if grad_scale is not None else dummy,
             found_inf if found_inf is not None else dummy,
             norm_sq if has_norm else dummy,
-            p.numel(), float(lr), b1_hi, b2_hi, b1_lo, b2_lo, float(eps), float(weight_decay),
-            mgn_hi, mgn_lo, zc, int(seed) & _M64, slot,
+            p.numel(), float(lr), b1_bits, b2_bits, float(eps), float(weight_decay), mgn_bits,
+            zc, int(seed) & _M64, slot,
             DT=DTYPE_CODE[p.dtype], MODE=mode, DECOUPLED=bool(decoupled), MAXIMIZE=bool(maximize),
             HAS_LR=lr_tensor is not None, HAS_SCALE=grad_scale is not None,
             HAS_FOUND=found_inf is not None, HAS_NORM=has_norm, BLOCK=block_size,

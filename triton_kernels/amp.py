@@ -7,8 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, is_nonfinite, load_f32,
-                                          num_warps_for, store_f32)
+from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, f64_from_bits,
+                                          is_nonfinite, load_f32, num_warps_for, store_f32)
 
 BLOCK = 4096
 
@@ -62,8 +62,8 @@ def check_grads(grads, found_inf, inv_scale, norm_sq=None, norm_sq_per_tensor=No
     _check(grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor, write=False)
 
 
-@triton.jit
-def _update_scale_kernel(scale_ptr, growth_ptr, hyst_ptr, found_ptr, growth_factor, backoff_factor,
+@triton.jit(do_not_specialize=["growth_bits", "backoff_bits"])
+def _update_scale_kernel(scale_ptr, growth_ptr, hyst_ptr, found_ptr, growth_bits, backoff_bits,
                          growth_interval, hysteresis, min_scale, max_scale):
     # Single program; the rule of csrc/include/mpfused/amp_math.h::update_scale.
     scale = tl.load(scale_ptr)
@@ -72,7 +72,7 @@ def _update_scale_kernel(scale_ptr, growth_ptr, hyst_ptr, found_ptr, growth_fact
     if tl.load(found_ptr) > 0.0:
         h2 = h - 1
         if (hysteresis <= 1) | (h2 <= 0):
-            s = (scale.to(tl.float64) * backoff_factor).to(tl.float32)
+            s = (scale.to(tl.float64) * f64_from_bits(backoff_bits)).to(tl.float32)
             if min_scale > 0.0:
                 s = tl.maximum(s, min_scale)
             tl.store(scale_ptr, s)
@@ -83,7 +83,7 @@ def _update_scale_kernel(scale_ptr, growth_ptr, hyst_ptr, found_ptr, growth_fact
         tl.store(hyst_ptr, h2)
     else:
         if g + 1 == growth_interval:
-            grown = (scale.to(tl.float64) * growth_factor).to(tl.float32)
+            grown = (scale.to(tl.float64) * f64_from_bits(growth_bits)).to(tl.float32)
             if not is_nonfinite(grown):
                 tl.store(scale_ptr, tl.minimum(grown, max_scale))
             tl.store(growth_ptr, 0)
@@ -95,6 +95,6 @@ def _update_scale_kernel(scale_ptr, growth_ptr, hyst_ptr, found_ptr, growth_fact
 def update_scale_(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
                   backoff_factor, growth_interval, hysteresis, min_scale, max_scale):
     _update_scale_kernel[(1,)](scale, growth_tracker, hysteresis_tracker, found_inf,
-                               float(growth_factor), float(backoff_factor), int(growth_interval),
+                               f64_bits(growth_factor), f64_bits(backoff_factor), int(growth_interval),
                                int(hysteresis), float(min_scale), float(max_scale),
                                enable_fp_fusion=False)
