@@ -182,11 +182,12 @@ def drive_scaler():
 
 def drive_64bit_sizes():
     """Tensors of more than 2^31 elements (n becomes an i64 argument): meta tensors, so nothing
-    is allocated; the quantization maps stay on the CPU (their thresholds are computed). No
+    is allocated (the 8-bit maps' thresholds, computed from their values, are stubbed). No
     found_inf: the step counters' device-side increment by it has no meta kernel."""
-    from mpfused.quant_maps import signed_map, unsigned_map
+    from unittest import mock
+
+    from mpfused.triton_kernels import adam8bit
     from mpfused.triton_kernels.adam import adam_step_
-    from mpfused.triton_kernels.adam8bit import adam8bit_step_
     from mpfused.triton_kernels.amp import unscale_grads_
     n = 2**31 + 5
 
@@ -201,10 +202,12 @@ def drive_64bit_sizes():
                one(), 0.9, 0.999, 1e-8, 0.1, True, False, True, 1, one(), None, one(), 1.0)
     unscale_grads_([big(bf16)], one(), one(), one())
     blocks = (n + 255) // 256
-    adam8bit_step_([big(bf16)], [big(bf16)], [big(torch.uint8)], [big(torch.uint8)],
-                   [big(size=blocks)], [big(size=blocks)], [big()], [one()], signed_map(),
-                   unsigned_map(), 256, 1e-3, one(), 0.9, 0.999, 1e-8, 0.1, False, True, 1,
-                   one(), None, one(), 1.0)
+    with mock.patch.object(adam8bit, "thresholds", lambda qmap: big(size=255)), \
+            mock.patch.object(adam8bit, "zero_code", lambda qmap: 127):
+        adam8bit.adam8bit_step_([big(bf16)], [big(bf16)], [big(torch.uint8)], [big(torch.uint8)],
+                                [big(size=blocks)], [big(size=blocks)], [big()], [one()],
+                                big(size=256), big(size=256), 256, 1e-3, one(), 0.9, 0.999, 1e-8,
+                                0.1, False, True, 1, one(), None, one(), 1.0)
 
 
 def _step(opt, with_scaler: bool):

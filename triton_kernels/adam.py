@@ -32,6 +32,7 @@ import triton.language as tl
 from mpfused.triton_kernels._adam_scalars import adam_scalars, load_weight, store_weight
 from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, load_f32,
                                           num_warps_for)
+from mpfused.triton_kernels._device import on_tensors_device
 
 BLOCK = 2048
 _M64 = (1 << 64) - 1
@@ -173,6 +174,7 @@ def _stage(tensors, mutated, logical_order):
     return out, back
 
 
+@on_tensors_device
 def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, lr,
                lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled,
                master_mode, grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0,

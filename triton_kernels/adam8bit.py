@@ -19,6 +19,7 @@ from mpfused.quant_maps import thresholds, zero_code
 from mpfused.triton_kernels._adam_scalars import adam_scalars, load_weight, store_weight
 from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, load_f32,
                                           num_warps_for)
+from mpfused.triton_kernels._device import on_tensors_device
 from mpfused.triton_kernels.adam import _kernel_mode
 
 MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC = 0, 1, 2, 3
@@ -96,6 +97,7 @@ def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_p
     tl.store(c2_ptr + offs, q2.to(tl.uint8), mask=mask)
 
 
+@on_tensors_device
 def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters, steps,
                    qmap1, qmap2, block_size, lr, lr_tensor, beta1, beta2, eps, weight_decay,
                    maximize, decoupled, master_mode, grad_scale=None, found_inf=None,
@@ -105,6 +107,14 @@ def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, mas
     if block_size not in (64, 128, 256, 512, 1024, 2048, 4096):
         raise ValueError(f"mpfused: block_size must be a power of two in [64, 4096], got {block_size}")
     dev = params[0].device
+    lists = dict(params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+                 absmax1s=absmax1s, absmax2s=absmax2s, masters=masters, steps=steps)
+    for name, t in [(f"{k}[{i}]", t) for k, ts in lists.items() for i, t in enumerate(ts)] + [
+            ("qmap1", qmap1), ("qmap2", qmap2), ("lr_tensor", lr_tensor), ("grad_scale", grad_scale),
+            ("found_inf", found_inf), ("norm_sq", norm_sq)]:
+        if t is not None and t.device != dev:
+            raise RuntimeError(f"mpfused: {name} is on {t.device}, params[0] on {dev}: one device "
+                               "per call")
     thr1, thr2 = thresholds(qmap1), thresholds(qmap2)
     zc = zero_code(qmap1)
     has_norm = norm_sq is not None and max_grad_norm > 0

@@ -9,6 +9,7 @@ import triton.language as tl
 
 from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, f64_from_bits,
                                           is_nonfinite, load_f32, num_warps_for, store_f32)
+from mpfused.triton_kernels._device import on_tensors_device
 
 BLOCK = 4096
 
@@ -31,6 +32,13 @@ def _check_kernel(x_ptr, n, inv_ptr, found_ptr, partial_ptr, DT: tl.constexpr,
 
 
 def _check(grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor, write):
+    dev = found_inf.device
+    for name, t in [("inv_scale", inv_scale), ("norm_sq", norm_sq),
+                    ("norm_sq_per_tensor", norm_sq_per_tensor)] + [(f"grads[{i}]", g)
+                                                                   for i, g in enumerate(grads)]:
+        if t is not None and t.device != dev:
+            raise RuntimeError(f"mpfused: {name} is on {t.device}, found_inf on {dev}: one "
+                               "device per call")
     norm = norm_sq is not None or norm_sq_per_tensor is not None
     total = None
     for i, g in enumerate(grads):
@@ -54,10 +62,12 @@ def _check(grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor, write):
         norm_sq += total.float()
 
 
+@on_tensors_device
 def unscale_grads_(grads, found_inf, inv_scale, norm_sq=None, norm_sq_per_tensor=None):
     _check(grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor, write=True)
 
 
+@on_tensors_device
 def check_grads(grads, found_inf, inv_scale, norm_sq=None, norm_sq_per_tensor=None):
     _check(grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor, write=False)
 
@@ -92,6 +102,7 @@ def _update_scale_kernel(scale_ptr, growth_ptr, hyst_ptr, found_ptr, growth_bits
             tl.store(growth_ptr, g + 1)
 
 
+@on_tensors_device
 def update_scale_(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
                   backoff_factor, growth_interval, hysteresis, min_scale, max_scale):
     _update_scale_kernel[(1,)](scale, growth_tracker, hysteresis_tracker, found_inf,
