@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from mpfused.device_copy import copy_to
 from mpfused.distributed import local, reduce_norm_parts, split_by_shard_groups
 from mpfused.ops import amp as amp_ops
 
@@ -37,7 +38,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
             sq = torch.zeros((), dtype=torch.float32, device=device)
             amp_ops.check_grads(gs, torch.zeros((), device=device), torch.ones((), device=device),
                                 sq, None, backend=backend)
-            sq = sq.to(first, non_blocking=True)
+            sq = copy_to(sq, first)
             parts[key] = sq if key not in parts else parts[key] + sq
     reduce_norm_parts(parts, total_sq)
     total_norm = total_sq.sqrt()

@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import torch
 
+from mpfused.device_copy import copy_to
+
 __all__ = ["is_dtensor", "local", "shard_groups", "mesh_groups", "split_by_shard_groups",
            "found_inf_groups", "all_reduce_"]
 
@@ -151,5 +153,5 @@ def reduce_norm_parts(parts: dict, out: torch.Tensor) -> torch.Tensor:
             raise NotImplementedError(
                 "mpfused: the grad norm of a DTensor grad with a Partial placement is not "
                 "supported; redistribute the grads to Shard/Replicate first")
-        out += all_reduce_(part, groups, "sum").to(out.device, non_blocking=True)
+        out += copy_to(all_reduce_(part, groups, "sum"), out.device)
     return out

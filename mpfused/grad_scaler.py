@@ -32,6 +32,7 @@ from collections import defaultdict
 import torch
 from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 
+from mpfused.device_copy import copy_to
 from mpfused.distributed import (all_reduce_, found_inf_groups, is_dtensor, reduce_norm_parts,
                                  shard_groups)
 from mpfused.ops import amp as amp_ops
@@ -131,14 +132,14 @@ class GradScaler(torch.amp.GradScaler):
             by_device, any_dtensor = self._grads_by_device(optimizer, allow_fp16, group_grads)
             for device, parts in by_device.items():
                 dev_found = torch.zeros((), dtype=torch.float32, device=device)
-                dev_inv = inv_scale.to(device, non_blocking=True)
+                dev_inv = copy_to(inv_scale, device)
                 for key, grads in parts.items():
                     dev_norm = None
                     if norm_sq is not None:
                         dev_norm = torch.zeros((), dtype=torch.float32, device=device)
                     op(grads, dev_found, dev_inv, dev_norm, None, backend=self._backend)
                     if dev_norm is not None:
-                        dev_norm = dev_norm.to(norm_sq.device, non_blocking=True)
+                        dev_norm = copy_to(dev_norm, norm_sq.device)
                         norm_parts[key] = (dev_norm if key not in norm_parts
                                            else norm_parts[key] + dev_norm)
                 per_device[device] = dev_found
@@ -295,7 +296,7 @@ def _max_on(tensors, device) -> torch.Tensor:
     """found_inf values combined with MAX on `device` (a SUM could exceed 1: hazard H1)."""
     out = None
     for t in tensors:
-        t = t.to(device, non_blocking=True)
+        t = copy_to(t, device)
         out = t.clone() if out is None else torch.maximum(out, t)
     return out
 

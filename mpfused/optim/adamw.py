@@ -23,6 +23,7 @@ import math
 import torch
 from torch.optim.optimizer import Optimizer
 
+from mpfused.device_copy import copy_to
 from mpfused.distributed import (all_reduce_, found_inf_groups, reduce_norm_parts,
                                  split_by_shard_groups)
 from mpfused.ops import adam as adam_ops
@@ -257,7 +258,7 @@ def _hyper(group, device) -> tuple:
     lr = group["lr"]
     beta1, beta2 = group["betas"]
     tensor_lr = isinstance(lr, torch.Tensor)
-    return (0.0 if tensor_lr else float(lr), lr.to(device, non_blocking=True) if tensor_lr else None,
+    return (0.0 if tensor_lr else float(lr), copy_to(lr, device) if tensor_lr else None,
             float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
 
 
@@ -272,7 +273,7 @@ def _local(t):
 
 
 def _on(t, device):
-    return None if t is None else t.to(device, non_blocking=True)
+    return None if t is None else copy_to(t, device)
 
 
 # ---- state_dict: keep fp32 state fp32 --------------------------------------------------------
