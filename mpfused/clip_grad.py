@@ -24,22 +24,9 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
                                               foreach)
     if not grads:
         return torch.tensor(0.0)
-    # DTensor grads (FSDP2): the kernels run on the local shards and each part's sum of squares
-    # is SUM-all-reduced over the ranks that shard it, so the norm (and the clip) is global.
-    by_device: dict[torch.device, dict[tuple, list[torch.Tensor]]] = {}
-    for key, local_grads in split_by_shard_groups(grads).items():
-        for g in local_grads:
-            by_device.setdefault(g.device, {}).setdefault(key, []).append(g)
     first = local(grads[0]).device
     total_sq = torch.zeros((), dtype=torch.float32, device=first)
-    parts: dict[tuple, torch.Tensor] = {}
-    for device, by_key in by_device.items():
-        for key, gs in by_key.items():
-            sq = torch.zeros((), dtype=torch.float32, device=device)
-            amp_ops.check_grads(gs, torch.zeros((), device=device), torch.ones((), device=device),
-                                sq, None, backend=backend)
-            sq = copy_to(sq, first)
-            parts[key] = sq if key not in parts else parts[key] + sq
+    parts, _, by_device = check_by_device(grads, first, None, backend)
     reduce_norm_parts(parts, total_sq)
     total_norm = total_sq.sqrt()
     if error_if_nonfinite and not torch.isfinite(total_norm):
@@ -53,3 +40,30 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
         amp_ops.unscale_grads_(gs, torch.zeros((), device=device), clip_coef.to(device), None,
                                None, backend=backend)
     return total_norm
+
+
+def check_by_device(grads, first: torch.device, inv_scale: torch.Tensor | None,
+                    backend: str | None):
+    """The read-only check pass over `grads`, one call per (device, shard group): DTensor grads
+    (FSDP2) run on their local shards, and each shard group's sum of squares (of grad * inv_scale,
+    1 if None) is SUM-all-reduced later over the ranks that shard it (reduce_norm_parts), so the
+    norm is global. Returns ({shard group: sum of squares on `first`}, the non-finite flag on
+    `first`, {device: {shard group: local grads}})."""
+    by_device: dict[torch.device, dict[tuple, list[torch.Tensor]]] = {}
+    for key, local_grads in split_by_shard_groups(grads).items():
+        for g in local_grads:
+            by_device.setdefault(g.device, {}).setdefault(key, []).append(g)
+    parts: dict[tuple, torch.Tensor] = {}
+    found = None
+    for device, by_key in by_device.items():
+        dev_found = torch.zeros((), dtype=torch.float32, device=device)
+        inv = (torch.ones((), device=device) if inv_scale is None
+               else copy_to(inv_scale, device))
+        for key, gs in by_key.items():
+            sq = torch.zeros((), dtype=torch.float32, device=device)
+            amp_ops.check_grads(gs, dev_found, inv, sq, None, backend=backend)
+            sq = copy_to(sq, first)
+            parts[key] = sq if key not in parts else parts[key] + sq
+        dev_found = copy_to(dev_found, first)
+        found = dev_found if found is None else torch.maximum(found, dev_found)
+    return parts, found, by_device

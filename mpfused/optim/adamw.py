@@ -23,11 +23,10 @@ import math
 import torch
 from torch.optim.optimizer import Optimizer
 
+from mpfused.clip_grad import check_by_device
 from mpfused.device_copy import copy_to
-from mpfused.distributed import (all_reduce_, found_inf_groups, reduce_norm_parts,
-                                 split_by_shard_groups)
+from mpfused.distributed import all_reduce_, found_inf_groups, reduce_norm_parts
 from mpfused.ops import adam as adam_ops
-from mpfused.ops import amp as amp_ops
 from mpfused.ops.bound import BoundOp
 from mpfused.optim._buckets import GroupPlan, build_buckets
 
@@ -228,18 +227,14 @@ class AdamW(Optimizer):
             return None, found_inf
         dev = _local(grads[0]).device
         norm_sq = torch.zeros((), dtype=torch.float32, device=dev)
-        own_found = torch.zeros((), dtype=torch.float32, device=dev)
-        inv = (torch.ones((), device=dev) if grad_scale is None
-               else grad_scale.to(dev).double().reciprocal().float())
-        parts = {}
-        for key, local_grads in split_by_shard_groups(grads).items():
-            parts[key] = torch.zeros((), dtype=torch.float32, device=dev)
-            amp_ops.check_grads(local_grads, own_found, inv, parts[key], None,
-                                backend=self._backend)
+        inv = (None if grad_scale is None
+               else copy_to(grad_scale, dev).double().reciprocal().float())
+        # one check call per device: param groups may live on different GPUs
+        parts, own_found, _ = check_by_device(grads, dev, inv, self._backend)
         all_reduce_(own_found, found_inf_groups(grads), "max")
         reduce_norm_parts(parts, norm_sq)
         if found_inf is not None:
-            own_found = torch.maximum(own_found, found_inf.to(dev))
+            own_found = torch.maximum(own_found, copy_to(found_inf, dev))
         return norm_sq, own_found
 
 
