@@ -7,7 +7,7 @@ MPFUSED_CUDA=auto|0|1   CUDA kernels: auto (default) builds them when the instal
                         (torch.version.cuda) and a CUDA toolkit is found (CUDA_HOME / nvcc), never
                         because a GPU happens to be visible; 0 never; 1 requires them (error if
                         impossible).
-TORCH_CUDA_ARCH_LIST    architectures to build for (torch's variable); default "8.0;9.0".
+TORCH_CUDA_ARCH_LIST    architectures to build for (torch's variable); default "8.0;9.0+PTX".
 MAX_JOBS                parallel compile jobs (ninja), torch's variable.
 
 Install with `pip install --no-build-isolation .` (or `-e .`): torch is not a build requirement,
@@ -47,7 +47,8 @@ def _extensions():
         sys.exit("MPFUSED_CUDA=1 but torch has no CUDA (torch.version.cuda is None) or no CUDA "
                  "toolkit was found (set CUDA_HOME)")
     use_cuda = want_cuda and has_toolkit
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")
+    # SASS for A100 and H100, PTX of sm_90 for newer GPUs (JIT); older GPUs get the Triton kernels
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
     archs = os.environ["TORCH_CUDA_ARCH_LIST"] if use_cuda else ""
 
     sources = (_sources("bindings/module.cpp") + _sources("bindings/bound_lists.cpp")

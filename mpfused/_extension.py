@@ -68,3 +68,29 @@ def error() -> str | None:
 
 def with_cuda() -> bool:
     return bool(_module is not None and getattr(_module, "with_cuda", 0))
+
+
+def archs_run_on(archs: str, capability: tuple[int, int]) -> bool:
+    """Whether kernels built for TORCH_CUDA_ARCH_LIST `archs` (e.g. "8.0;9.0+PTX") run on a GPU of
+    compute `capability`: SASS of its major version and a minor not above its own, or PTX of an
+    architecture not above it (the driver JIT-compiles it)."""
+    for entry in archs.replace(",", ";").replace(" ", ";").split(";"):
+        ptx = entry.endswith("+PTX")
+        version = entry.removesuffix("+PTX")
+        if not version:
+            continue
+        major, _, minor = version.partition(".")
+        arch = (int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0))
+        if (arch[0] == capability[0] and arch[1] <= capability[1]) or (ptx and arch <= capability):
+            return True
+    return False
+
+
+def cuda_kernels_run_here() -> bool:
+    """The native CUDA kernels have code for the current GPU (else the first launch would fail
+    with "no kernel image is available": the registry serves Triton instead)."""
+    try:
+        capability = torch.cuda.get_device_capability()
+    except Exception:
+        return False
+    return archs_run_on(build_info().get("cuda_archs") or "", capability)

@@ -68,6 +68,36 @@ def test_backend_selection(monkeypatch):
         op.resolve("cuda", "native")
 
 
+@pytest.mark.parametrize("archs,capability,runs", [
+    ("8.0;9.0+PTX", (8, 0), True), ("8.0;9.0+PTX", (8, 6), True),  # A100, RTX 30xx (sm_86)
+    ("8.0;9.0+PTX", (8, 9), True), ("8.0;9.0+PTX", (9, 0), True),
+    ("8.0;9.0+PTX", (10, 0), True), ("8.0;9.0+PTX", (12, 0), True),  # Blackwell: PTX by JIT
+    ("8.0;9.0+PTX", (7, 5), False), ("8.0;9.0+PTX", (7, 0), False),  # T4, V100: Triton
+    ("8.0;9.0", (10, 0), False), ("8.6", (8, 0), False), ("9.0a", (9, 0), True),
+    ("8.0 9.0", (9, 0), True), ("", (9, 0), False),
+])
+def test_native_cuda_kernels_need_code_for_the_gpu(archs, capability, runs):
+    from mpfused._extension import archs_run_on
+    assert archs_run_on(archs, capability) is runs
+
+
+def test_a_gpu_without_native_code_gets_triton(monkeypatch):
+    """With a registered CUDA kernel but no code for the GPU, auto picks Triton, not a launch that
+    fails with "no kernel image is available"."""
+    from mpfused import _extension
+    from mpfused.ops import registry
+    op = OPS["unscale_grads_"]
+    real = torch._C._dispatch_has_kernel_for_dispatch_key
+    monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key",
+                        lambda name, key: key == "CUDA" or real(name, key))
+    monkeypatch.setattr(registry, "triton_usable", lambda device_type: True)
+    monkeypatch.setattr(_extension, "build_info", lambda: {"cuda_archs": "8.0;9.0+PTX"})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert op.available("cuda") == ["triton", "reference"] and op.resolve("cuda") == "triton"
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert op.available("cuda")[0] == "native" and op.resolve("cuda") == "native"
+
+
 def test_auto_prefers_native_on_cpu_when_built():
     if "native" in OPS["unscale_grads_"].available("cpu"):
         assert OPS["unscale_grads_"].resolve("cpu") == "native"

@@ -85,7 +85,10 @@ class Op:
 
     def native_available(self, device_type: str) -> bool:
         key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
-        return bool(key) and torch._C._dispatch_has_kernel_for_dispatch_key(self.qualname, key)
+        if not key or not torch._C._dispatch_has_kernel_for_dispatch_key(self.qualname, key):
+            return False
+        # a kernel is registered; on CUDA it must also have code for this GPU's architecture
+        return device_type != "cuda" or _extension.cuda_kernels_run_here()
 
     def available(self, device_type: str) -> list[str]:
         out = []
