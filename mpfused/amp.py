@@ -40,10 +40,11 @@ def bf16_supported(device) -> bool:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             return False
-        try:
-            return bool(torch.cuda.is_bf16_supported(including_emulation=False))
-        except TypeError:  # older torch
-            return bool(torch.cuda.is_bf16_supported())
+        # this device's answer (is_bf16_supported asks about the current device)
+        if torch.version.hip:
+            with torch.cuda.device(device):
+                return bool(torch.cuda.is_bf16_supported())
+        return torch.cuda.get_device_capability(device)[0] >= 8
     check = getattr(getattr(torch, device.type, None), "is_bf16_supported", None)
     if check is None:
         return device.type == "mps"

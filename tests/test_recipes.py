@@ -317,6 +317,18 @@ def test_autocast_helper_picks_device_and_dtype(monkeypatch):
     assert amp.resolve_dtype(torch.bfloat16, "cpu") == torch.bfloat16
 
 
+def test_bf16_supported_asks_the_given_gpu(monkeypatch):
+    # a host with a V100 (cuda:0, current) and an A100 (cuda:1)
+    caps = {0: (7, 0), 1: (8, 0)}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability",
+                        lambda d=None: caps[0 if d is None or torch.device(d).index is None
+                                            else torch.device(d).index])
+    assert amp.bf16_supported("cuda:1") and not amp.bf16_supported("cuda:0")
+    assert not amp.bf16_supported("cuda")
+
+
 def test_bf16_supported():
     assert amp.bf16_supported("cpu")
     if not torch.cuda.is_available():
