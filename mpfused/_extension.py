@@ -80,7 +80,10 @@ def archs_run_on(archs: str, capability: tuple[int, int]) -> bool:
         if not version:
             continue
         major, _, minor = version.partition(".")
-        arch = (int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0))
+        try:
+            arch = (int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0))
+        except ValueError:  # a named architecture ("Hopper"): trust the build, as before
+            return True
         if (arch[0] == capability[0] and arch[1] <= capability[1]) or (ptx and arch <= capability):
             return True
     return False

@@ -74,7 +74,7 @@ def test_backend_selection(monkeypatch):
     ("8.0;9.0+PTX", (10, 0), True), ("8.0;9.0+PTX", (12, 0), True),  # Blackwell: PTX by JIT
     ("8.0;9.0+PTX", (7, 5), False), ("8.0;9.0+PTX", (7, 0), False),  # T4, V100: Triton
     ("8.0;9.0", (10, 0), False), ("8.6", (8, 0), False), ("9.0a", (9, 0), True),
-    ("8.0 9.0", (9, 0), True), ("", (9, 0), False),
+    ("8.0 9.0", (9, 0), True), ("", (9, 0), False), ("Ampere;Hopper", (9, 0), True),
 ])
 def test_native_cuda_kernels_need_code_for_the_gpu(archs, capability, runs):
     from mpfused._extension import archs_run_on
