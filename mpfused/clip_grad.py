@@ -43,16 +43,20 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
 
 
 def check_by_device(grads, first: torch.device, inv_scale: torch.Tensor | None,
-                    backend: str | None):
+                    backend: str | None, one_device: bool = False):
     """The read-only check pass over `grads`, one call per (device, shard group): DTensor grads
     (FSDP2) run on their local shards, and each shard group's sum of squares (of grad * inv_scale,
     1 if None) is SUM-all-reduced later over the ranks that shard it (reduce_norm_parts), so the
     norm is global. Returns ({shard group: sum of squares on `first`}, the non-finite flag on
-    `first`, {device: {shard group: local grads}})."""
+    `first`, {device: {shard group: local grads}}). `one_device`: the caller knows every grad is
+    on `first` (skips a per-tensor pass: ~2 ms a step with 10,000 tensors)."""
     by_device: dict[torch.device, dict[tuple, list[torch.Tensor]]] = {}
-    for key, local_grads in split_by_shard_groups(grads).items():
-        for g in local_grads:
-            by_device.setdefault(g.device, {}).setdefault(key, []).append(g)
+    if one_device:
+        by_device[first] = split_by_shard_groups(grads)
+    else:
+        for key, local_grads in split_by_shard_groups(grads).items():
+            for g in local_grads:
+                by_device.setdefault(g.device, {}).setdefault(key, []).append(g)
     parts: dict[tuple, torch.Tensor] = {}
     found = None
     for device, by_key in by_device.items():

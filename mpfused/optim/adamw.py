@@ -200,11 +200,15 @@ class AdamW(Optimizer):
         norm_sq = getattr(self, "grad_norm_sq", None)
         all_grads = (getattr(self, "checked_group_grads", None)  # set by mpfused.GradScaler
                      or [[p.grad for p in g["params"]] for g in self.param_groups])
+        plans = [self._plan(index, group, all_grads[index])
+                 for index, group in enumerate(self.param_groups)]
         if self.max_grad_norm and norm_sq is None:
-            norm_sq, found_inf = self._own_norm(all_grads, grad_scale, found_inf)
-        for index, group in enumerate(self.param_groups):
+            devices = {b.state["local_params"][0].device for plan in plans for b in plan.buckets}
+            norm_sq, found_inf = self._own_norm(all_grads, grad_scale, found_inf,
+                                                one_device=len(devices) == 1)
+        for index, (group, plan) in enumerate(zip(self.param_groups, plans)):
             grads = all_grads[index]
-            for b in self._plan(index, group, grads).buckets:
+            for b in plan.buckets:
                 dev = b.state["local_params"][0].device
                 self._launch(b, b.take(grads), group,
                              _hyper(group, dev),
@@ -218,7 +222,7 @@ class AdamW(Optimizer):
         b.state["step_"](grads, *hyper, bool(group["amsgrad"]), bool(group["maximize"]),
                          self._decoupled, b.state["mode"], *scaling, backend=self._backend)
 
-    def _own_norm(self, all_grads, grad_scale, found_inf):
+    def _own_norm(self, all_grads, grad_scale, found_inf, one_device: bool = False):
         """Fused clipping without a scaler: one read-only pass for the norm (and non-finites).
         DTensor grads (FSDP2): the local shards' sums of squares are SUM-all-reduced over the
         ranks that shard them (the global norm) and the non-finite flag MAX-all-reduced."""
@@ -230,7 +234,7 @@ class AdamW(Optimizer):
         inv = (None if grad_scale is None
                else copy_to(grad_scale, dev).double().reciprocal().float())
         # one check call per device: param groups may live on different GPUs
-        parts, own_found, _ = check_by_device(grads, dev, inv, self._backend)
+        parts, own_found, _ = check_by_device(grads, dev, inv, self._backend, one_device)
         all_reduce_(own_found, found_inf_groups(grads), "max")
         reduce_norm_parts(parts, norm_sq)
         if found_inf is not None:
