@@ -43,7 +43,8 @@ def _encode(thr_ptr, x):
 @triton.jit(do_not_specialize=["beta1_bits", "beta2_bits", "mgn_bits", "zero_code", "seed", "slot"])
 def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_ptr, map2_ptr,
                      thr1_ptr, thr2_ptr, step_ptr, lr_ptr, scale_ptr, found_ptr, norm_ptr,
-                     n, lr, beta1_bits, beta2_bits, eps, weight_decay, mgn_bits, zero_code, seed, slot, DT: tl.constexpr, MODE: tl.constexpr,
+                     n, lr, beta1_bits, beta2_bits, eps, weight_decay, mgn_bits, zero_code,
+                     seed, slot, DT: tl.constexpr, MODE: tl.constexpr,
                      DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_LR: tl.constexpr,
                      HAS_SCALE: tl.constexpr, HAS_FOUND: tl.constexpr, HAS_NORM: tl.constexpr,
                      BLOCK: tl.constexpr):
@@ -110,8 +111,8 @@ def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, mas
     lists = dict(params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
                  absmax1s=absmax1s, absmax2s=absmax2s, masters=masters, steps=steps)
     for name, t in [(f"{k}[{i}]", t) for k, ts in lists.items() for i, t in enumerate(ts)] + [
-            ("qmap1", qmap1), ("qmap2", qmap2), ("lr_tensor", lr_tensor), ("grad_scale", grad_scale),
-            ("found_inf", found_inf), ("norm_sq", norm_sq)]:
+            ("qmap1", qmap1), ("qmap2", qmap2), ("lr_tensor", lr_tensor),
+            ("grad_scale", grad_scale), ("found_inf", found_inf), ("norm_sq", norm_sq)]:
         if t is not None and t.device != dev:
             raise RuntimeError(f"mpfused: {name} is on {t.device}, params[0] on {dev}: one device "
                                "per call")

@@ -106,6 +106,7 @@ def _update_scale_kernel(scale_ptr, growth_ptr, hyst_ptr, found_ptr, growth_bits
 def update_scale_(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
                   backoff_factor, growth_interval, hysteresis, min_scale, max_scale):
     _update_scale_kernel[(1,)](scale, growth_tracker, hysteresis_tracker, found_inf,
-                               f64_bits(growth_factor), f64_bits(backoff_factor), int(growth_interval),
-                               int(hysteresis), float(min_scale), float(max_scale),
+                               f64_bits(growth_factor), f64_bits(backoff_factor),
+                               int(growth_interval), int(hysteresis), float(min_scale),
+                               float(max_scale),
                                enable_fp_fusion=False)
