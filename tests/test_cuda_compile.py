@@ -14,9 +14,11 @@ a job cut by that deadline (an overloaded machine) is skipped, not failed.
 """
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import glob
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -164,6 +166,15 @@ def _binding_cmds(tmp: Path) -> dict[str, list[str]] | str:
     return {Path(b).name: [cxx, *flags, b] for b in BINDINGS}
 
 
+def _setup_nvcc_flags() -> list[str]:
+    """The nvcc flags setup.py builds the extension with (its `"nvcc": [...]` literal)."""
+    text = (ROOT / "setup.py").read_text()
+    m = re.search(r'"nvcc":\s*(\[[^\]]*\])', text)
+    assert m, "setup.py has no \"nvcc\": [...] flag list"
+    return ast.literal_eval(m.group(1))
+
+
+SETUP_NVCC_FLAGS = _setup_nvcc_flags()
 TIMEOUT = None  # return code of a job cut by the module deadline: skipped, not failed
 
 
@@ -194,8 +205,9 @@ def results(tmp_path_factory):
     for cu in CU_FILES:
         for arch in ARCHS:
             out = tmp / f"{Path(cu).stem}.{arch}.o"
-            jobs[f"{Path(cu).name}:{arch}"] = [[NVCC, "-c", "-std=c++17", f"-arch={arch}", "-I",
-                                                str(ROOT / "csrc" / "include"), cu, "-o", str(out)]]
+            jobs[f"{Path(cu).name}:{arch}"] = [[NVCC, "-c", *SETUP_NVCC_FLAGS, "-Xptxas", "-v",
+                                                f"-arch={arch}", "-I", str(ROOT / "csrc" / "include"),
+                                                cu, "-o", str(out)]]
     src = tmp / "pack_test.cu"
     src.write_text(PACK_TEST)
     exe = tmp / "pack_test"
@@ -234,6 +246,50 @@ def test_there_are_cuda_sources():
 @pytest.mark.parametrize("cu", [Path(f).name for f in CU_FILES])
 def test_cu_compiles(results, cu, arch):
     _check(results[f"{cu}:{arch}"])
+
+
+def _ptxas_report(out: str) -> dict[str, dict[str, int]]:
+    """ptxas -v's resource lines per kernel entry: registers, spill stores, spill loads (bytes)."""
+    kernels: dict[str, dict[str, int]] = {}
+    name = None
+    for line in out.splitlines():
+        m = re.search(r"Compiling entry function '([^']+)'", line)
+        if m:
+            name = m.group(1)
+            kernels[name] = {"registers": -1, "spill_stores": 0, "spill_loads": 0}
+            continue
+        if name is None:
+            continue
+        m = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", line)
+        if m and "stack frame" in line and kernels[name]["registers"] < 0:
+            kernels[name]["spill_stores"] = int(m.group(1))
+            kernels[name]["spill_loads"] = int(m.group(2))
+        m = re.search(r"Used (\d+) registers", line)
+        if m:
+            kernels[name]["registers"] = int(m.group(1))
+            name = None  # the entry's report is complete
+    return kernels
+
+
+# Register and spill budgets per file (512-thread blocks; 65536 registers per SM). The 8-bit
+# kernel asks for two blocks per SM (<= 64 registers); its fp32-master and remainder modes pay a
+# few bytes of spill for it. The others spill nothing.
+RESOURCE_BUDGET = {"adam8bit_cuda.cu": {"registers": 64, "spill_stores": 16},
+                   "adam_cuda.cu": {"registers": 128, "spill_stores": 0},
+                   "amp_cuda.cu": {"registers": 128, "spill_stores": 0}}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cu", [Path(f).name for f in CU_FILES])
+def test_cu_register_budget(results, cu, arch):
+    """Built with setup.py's flags, every kernel entry stays within its file's register and
+    spill budget, so the occupancy the kernels' comments assume is the one ptxas gives."""
+    kernels = _ptxas_report(_check(results[f"{cu}:{arch}"]))
+    assert kernels, "ptxas -v reported no kernel entries"
+    budget = RESOURCE_BUDGET[cu]
+    for name, r in kernels.items():
+        assert 0 < r["registers"] <= budget["registers"], (name, r)
+        assert r["spill_stores"] <= budget["spill_stores"], (name, r)
 
 
 def test_multi_tensor_packing_on_host(results):

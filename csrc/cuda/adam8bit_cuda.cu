@@ -31,8 +31,8 @@
 //   encode    the new absmax is stored, then each thread requantizes its own parked moments
 //             (quant8_inv_scale, quant8_encode over the shared thresholds, keep_negative).
 // Two barriers in setup, one or two in the reduction. found_inf > 0: every block leaves first.
-// Shared memory 37.7 KB (32 KB of parked moments); 64 registers (sm_90): two blocks per SM, so
-// one block's setup and reduction overlap the other's memory traffic.
+// Shared memory 37.7 KB (32 KB of parked moments); at most 64 registers (Adam8bitFunctor asks
+// for two blocks per SM), so one block's setup and reduction overlap the other's memory traffic.
 //
 // tests/cuda_emulation/adam8bit_vs_cpu.cpp runs this file unchanged on the host (every block as
 // 512 cooperative threads, tests/cuda_emulation/cuda_runtime.h) and compares it byte for byte
@@ -353,6 +353,10 @@ namespace {
 
 template <int MODE>
 struct Adam8bitFunctor {
+  // Two blocks per SM (64 registers): one block's setup and barrier-bound reduction overlap the
+  // other's memory traffic. Left to itself ptxas gives the fp32-master mode 70-72 registers, one
+  // block per SM; the cap costs it 16 B of spill stores. Not yet measured on a GPU.
+  static constexpr int kMinBlocksPerSm = 2;
   Adam8bitConfig cfg;
 
   __device__ __forceinline__ void operator()(const MtaChunk<kAdam8bitDepth>& c) const {

@@ -111,8 +111,19 @@ __host__ __device__ __forceinline__ MtaChunk<DEPTH> mta_locate(const MtaMeta<DEP
   return c;
 }
 
+// Blocks of kBlockSize threads a functor asks to keep resident per SM (static member
+// kMinBlocksPerSm; default 1): ptxas then caps registers at 65536 / (kBlockSize * that).
+template <typename F, typename = void>
+struct MinBlocksPerSm {
+  static constexpr int value = 1;
+};
+template <typename F>
+struct MinBlocksPerSm<F, decltype(void(F::kMinBlocksPerSm))> {
+  static constexpr int value = F::kMinBlocksPerSm;
+};
+
 template <int DEPTH, typename Functor, typename... Args>
-__global__ void __launch_bounds__(kBlockSize)
+__global__ void __launch_bounds__(kBlockSize, MinBlocksPerSm<Functor>::value)
     mta_kernel(const MPF_GRID_CONSTANT MtaMeta<DEPTH> meta, const Functor functor, Args... args) {
   functor(mta_locate<DEPTH>(meta, int32_t(blockIdx.x)), args...);
 }
