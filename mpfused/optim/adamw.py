@@ -53,7 +53,7 @@ class AdamW(Optimizer):
                  maximize: bool = False, capturable: bool = False,
                  master_weights: str = "fp32", max_grad_norm: float | None = None,
                  backend: str | None = None, seed: int = 0, foreach=None, fused=None,
-                 differentiable: bool = False):
+                 differentiable: bool = False, decoupled_weight_decay: bool | None = None):
         _check_hyper("learning rate", lr, 0.0)
         _check_hyper("epsilon value", eps, 0.0)
         _check_hyper("beta parameter at index 0", betas[0], 0.0, 1.0)
@@ -68,14 +68,21 @@ class AdamW(Optimizer):
             raise RuntimeError("mpfused optimizers do not support `differentiable`")
         if isinstance(lr, torch.Tensor) and lr.numel() != 1:
             raise ValueError("Tensor lr must be 1-element")
+        if decoupled_weight_decay is None:
+            decoupled_weight_decay = self._decoupled
+        elif self._decoupled and not decoupled_weight_decay:
+            raise ValueError(f"mpfused.{type(self).__name__} always decouples weight decay; use "
+                             "mpfused.Adam for L2 weight decay")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize, capturable=capturable, master_weights=master_weights,
-                        foreach=foreach, fused=fused, differentiable=False)
+                        foreach=foreach, fused=fused, differentiable=False,
+                        decoupled_weight_decay=bool(decoupled_weight_decay))
         super().__init__(params, defaults)
         self.max_grad_norm = max_grad_norm
         self._backend = backend
         self._seed = int(seed)
         self._plans: dict[int, GroupPlan] = {}
+        self._planned_state = (None, -1)  # (self.state, its length) when the plans were built
         self._register_hooks()
 
     _one_device_per_group = True  # add_param_group refuses a group that spans devices
@@ -117,14 +124,51 @@ class AdamW(Optimizer):
         for key, default in self._PICKLED.items():
             self.__dict__.setdefault(key, copy.copy(default))  # pickled before these were kept
         self._plans = {}
+        self._planned_state = (None, -1)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
             group.setdefault("maximize", False)
             group.setdefault("capturable", False)
             group.setdefault("master_weights", "fp32")
+            # as torch: AdamW always decouples (also when an Adam state_dict is loaded into it)
+            if self._decoupled:
+                group["decoupled_weight_decay"] = True
+            else:
+                group.setdefault("decoupled_weight_decay", False)
         # torch pickles no hooks: unpickled, the optimizer has none of its own yet
         if _stash_fp32_state not in self._optimizer_load_state_dict_pre_hooks.values():
             self._register_hooks()
+
+    def load_state_dict(self, state_dict) -> None:
+        # Our load hooks innermost: the pre-hooks that validate and stash the saved state see the
+        # state_dict the user's pre-hooks return; the user's post-hooks see the restored state.
+        pre = self._optimizer_load_state_dict_pre_hooks
+        for key in [k for k, hook in pre.items() if _is_own_hook(hook)]:
+            pre.move_to_end(key)
+        post = self._optimizer_load_state_dict_post_hooks
+        for key in reversed([k for k, hook in post.items() if _is_own_hook(hook)]):
+            post.move_to_end(key, last=False)
+        try:
+            super().load_state_dict(state_dict)
+        finally:  # a failed load leaves no stash behind
+            for attr in [a for a in self.__dict__ if a.startswith("_loading")]:
+                del self.__dict__[attr]
+
+    def refresh_master_weights(self) -> None:
+        """Take the 16-bit params' current values as their masters. The optimizer is the owner of
+        a 16-bit param's value: its next step writes the master (rounded) over whatever the param
+        holds. Call this after writing params yourself (``model.load_state_dict``, re-initialising
+        layers, swapping in EMA weights) so the next step starts from what you wrote."""
+        with torch.no_grad():
+            for group in self.param_groups:
+                for p in group["params"]:
+                    state = self.state.get(p)
+                    if not state:
+                        continue
+                    if "master" in state:
+                        state["master"].copy_(p)
+                    if "master_remainder" in state:
+                        state["master_remainder"].zero_()  # the master is the bf16 value, exact
 
     # ---- state ------------------------------------------------------------------------------
     def _master_mode(self, group, p) -> int:
@@ -167,10 +211,32 @@ class AdamW(Optimizer):
         self._plans[index] = plan
         return plan
 
+    def _sync_state_keys(self, group, p, mode: int) -> None:
+        """The state keys the bucket's mode needs, after a change since the state was made (the
+        param's dtype changed by ``module.to()``, ``master_weights`` or ``amsgrad`` changed): a
+        missing master is taken from the param, a master the mode no longer uses is dropped (kept,
+        a stale one would overwrite the param if the mode came back)."""
+        state = self.state[p]
+        if mode == MASTER_MODES["fp32"]:
+            if "master" not in state:
+                state["master"] = p.detach().float()
+        else:
+            state.pop("master", None)
+        if mode == MASTER_MODES["remainder"]:
+            if "master_remainder" not in state:
+                state["master_remainder"] = torch.zeros_like(p, dtype=torch.int16)
+        else:
+            state.pop("master_remainder", None)
+        if group["amsgrad"] and "max_exp_avg_sq" not in state:
+            state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32,
+                                                       memory_format=torch.preserve_format)
+
     def _fill_bucket(self, group, b) -> None:
         """The kernel operand lists of a bucket, cached until the plan is rebuilt."""
-        st = [self.state[p] for p in b.params]
         mode = self._master_mode(group, b.params[0])
+        for p in b.params:
+            self._sync_state_keys(group, p, mode)
+        st = [self.state[p] for p in b.params]
         b.state = {
             "steps": [s["step"] for s in st],
             "exp_avgs": [_local(s["exp_avg"]) for s in st],
@@ -200,8 +266,13 @@ class AdamW(Optimizer):
         norm_sq = getattr(self, "grad_norm_sq", None)
         all_grads = (getattr(self, "checked_group_grads", None)  # set by mpfused.GradScaler
                      or [[p.grad for p in g["params"]] for g in self.param_groups])
+        # The plans hold the state tensors: a state cleared, replaced or with params deleted
+        # (a reset) makes new plans, and new state where it is missing.
+        if self._planned_state[0] is not self.state or self._planned_state[1] != len(self.state):
+            self._plans = {}
         plans = [self._plan(index, group, all_grads[index])
                  for index, group in enumerate(self.param_groups)]
+        self._planned_state = (self.state, len(self.state))
         if self.max_grad_norm and norm_sq is None:
             devices = {b.state["local_params"][0].device for plan in plans for b in plan.buckets}
             norm_sq, found_inf = self._own_norm(all_grads, grad_scale, found_inf,
@@ -220,7 +291,8 @@ class AdamW(Optimizer):
         """One fused kernel call for a bucket: (lr, lr_tensor, betas, eps, weight_decay) in
         `hyper`, (grad_scale, found_inf, norm_sq, max_grad_norm, seed) in `scaling`."""
         b.state["step_"](grads, *hyper, bool(group["amsgrad"]), bool(group["maximize"]),
-                         self._decoupled, b.state["mode"], *scaling, backend=self._backend)
+                         bool(group["decoupled_weight_decay"]), b.state["mode"], *scaling,
+                         backend=self._backend)
 
     def _own_norm(self, all_grads, grad_scale, found_inf, one_device: bool = False):
         """Fused clipping without a scaler: one read-only pass for the norm (and non-finites).
@@ -243,7 +315,8 @@ class AdamW(Optimizer):
 
 
 class Adam(AdamW):
-    """``torch.optim.Adam`` semantics: L2 weight decay added to the gradient, default 0."""
+    """``torch.optim.Adam`` semantics: L2 weight decay added to the gradient, default 0
+    (``decoupled_weight_decay=True``: AdamW's decay, as in torch)."""
     _decoupled = False
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
@@ -259,6 +332,10 @@ def _hyper(group, device) -> tuple:
     tensor_lr = isinstance(lr, torch.Tensor)
     return (0.0 if tensor_lr else float(lr), copy_to(lr, device) if tensor_lr else None,
             float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
+
+
+def _is_own_hook(hook) -> bool:
+    return getattr(hook, "__module__", "").startswith("mpfused.")
 
 
 def _capture_health_check(optimizer):
@@ -283,6 +360,7 @@ def _on(t, device):
 # torch.optim.AdamW state on the way (16-bit moments become fp32, a missing master is taken from
 # the param).
 PER_ELEMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "master_remainder")
+_8BIT_SAVED_KEYS = ("state1", "state2", "absmax1", "absmax2")  # AdamW8bit (v2) / bitsandbytes
 
 
 def _allowed_state_dtypes(optimizer, key):
@@ -303,8 +381,18 @@ def _saved_pairs(optimizer, saved_groups):
 
 def _stash_fp32_state(optimizer, state_dict):
     saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    quantized = getattr(optimizer, "_quantized_moments", False)
     for pid, p, _ in _saved_pairs(optimizer, saved_groups):
         local = _local(p)
+        saved = saved_state.get(pid, {})
+        if not quantized and (any(k in saved for k in _8BIT_SAVED_KEYS) or any(
+                isinstance(saved.get(k), torch.Tensor) and saved[k].dtype == torch.uint8
+                for k in ("exp_avg", "exp_avg_sq"))):
+            raise ValueError(
+                f"loaded state_dict: state[{pid}] holds 8-bit optimizer state (an "
+                f"mpfused.AdamW8bit or bitsandbytes checkpoint); mpfused.{type(optimizer).__name__} "
+                "keeps fp32 moments. Load it into mpfused.AdamW8bit and use its "
+                "to_torch_state_dict(), which dequantizes the moments")
         for key in PER_ELEMENT_KEYS:
             value = saved_state.get(pid, {}).get(key)
             # DCP + FSDP2 hands DTensor state (global shape): compare its local shard.
@@ -332,6 +420,8 @@ def _restore_fp32_state(optimizer):
             continue
         state, local = optimizer.state[p], _local(p)
         for key, value in saved_state[pid].items():
+            if key == "step" and isinstance(value, (int, float)):  # torch < 1.12 saved a number
+                value = torch.tensor(float(value))
             if not isinstance(value, torch.Tensor):
                 continue
             if key == "step":
