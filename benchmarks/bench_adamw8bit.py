@@ -37,7 +37,7 @@ import torch
 
 if __package__ in (None, ""):  # run as a script: python benchmarks/bench_adamw8bit.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import copy_bandwidth, round_order  # noqa: E402
+from benchmarks.common import copy_bandwidth_at, round_order  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 BLOCK = 256  # the state block of all three 8-bit optimizers (their defaults)
@@ -137,7 +137,6 @@ def _optimizers():
 
 def bench(sizes, steps, rounds, warmup, device):
     makers = _optimizers()
-    bandwidth = copy_bandwidth(device)
     rows = []
     for size in sizes:
         runs = {}
@@ -161,6 +160,8 @@ def bench(sizes, steps, rounds, warmup, device):
         for name, r in runs.items():
             med = statistics.median(r["times"])
             big = [p for p in r["params"] if p.dim() == 2]
+            # copy bandwidth at this optimizer's working set (the same cache level)
+            bandwidth = copy_bandwidth_at(device, numel * _moved_bytes_per_param(name))
             limit = numel * _moved_bytes_per_param(name) / bandwidth
             rows.append(dict(
                 optimizer=name, device=device, params=numel, tensors=len(r["params"]),
