@@ -6,7 +6,8 @@ from mpfused import ops  # noqa: F401  (defines the ops and loads the extension)
 from mpfused import amp  # noqa: F401  (recipes: cast_model, setup, autocast, estimate_memory)
 from mpfused.clip_grad import clip_grad_norm_
 from mpfused.grad_scaler import GradScaler
-from mpfused.optim import Adam, Adam8bit, AdamW, AdamW8bit
+from mpfused.optim import Adam, Adam8bit, AdamW, AdamW8bit, keep_32bit_state
 
-__all__ = ["GradScaler", "AdamW", "Adam", "AdamW8bit", "Adam8bit", "clip_grad_norm_"]
+__all__ = ["GradScaler", "AdamW", "Adam", "AdamW8bit", "Adam8bit", "clip_grad_norm_",
+           "keep_32bit_state"]
 __version__ = "0.1.0"

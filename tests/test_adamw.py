@@ -606,3 +606,14 @@ def test_8bit_checkpoint_into_32bit_optimizer_is_a_clear_error():
         o32.load_state_dict(o8.state_dict())
     o32.load_state_dict(o8.to_torch_state_dict())  # the documented way
     assert o32.state[o32.param_groups[0]["params"][0]]["exp_avg"].dtype == torch.float32
+
+
+def test_bitsandbytes_checkpoint_into_32bit_optimizer_is_a_clear_error():
+    bnb = pytest.importorskip("bitsandbytes")
+    p = torch.nn.Parameter(torch.randn(5000))
+    o = bnb.optim.AdamW8bit([p])
+    p.grad = torch.randn_like(p)
+    o.step()
+    o32 = mpfused.AdamW([torch.nn.Parameter(p.detach().clone())])
+    with pytest.raises(ValueError, match="8-bit optimizer state"):
+        o32.load_state_dict(o.state_dict())

@@ -360,7 +360,8 @@ def _on(t, device):
 # torch.optim.AdamW state on the way (16-bit moments become fp32, a missing master is taken from
 # the param).
 PER_ELEMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "master_remainder")
-_8BIT_SAVED_KEYS = ("state1", "state2", "absmax1", "absmax2")  # AdamW8bit (v2) / bitsandbytes
+# AdamW8bit (v2) / bitsandbytes (>= 0.49.2 nests its quantized keys under the last one)
+_8BIT_SAVED_KEYS = ("state1", "state2", "absmax1", "absmax2", "__bnb_optimizer_quant_state__")
 
 
 def _allowed_state_dtypes(optimizer, key):

@@ -22,23 +22,40 @@ Which params get 8-bit state
 ----------------------------
 Params with fewer than ``min_8bit_size`` elements (default 4096, judged on the whole logical
 param, also for DTensors) keep fp32 moments and take the ``mpfused.AdamW`` kernel, as do params of
-a group with ``optim_bits=32`` and params registered with ``keep_32bit_state(module_or_params)``
-(bnb's ``GlobalOptimManager.register_module_override(..., {"optim_bits": 32})``, e.g. embeddings).
-A change of these settings converts the existing state at the next step.
+a group with ``optim_bits=32``, params registered with ``keep_32bit_state(module_or_params)``
+(e.g. embeddings) and, when bitsandbytes is already imported, params that its
+``GlobalOptimManager`` keeps at ``optim_bits=32`` (``override_config(p, "optim_bits", 32)`` or
+``register_module_override(module, "weight", {"optim_bits": 32})``, which
+``bnb.nn.StableEmbedding`` / ``bnb.nn.Embedding`` call themselves). A change of these settings, or of a group's ``block_size``, converts the existing state at the
+next step (a new block size re-quantizes: nearest codes of the new blocks, not bit-exact).
 
 State and checkpoints
 ---------------------
-Per 8-bit param: ``step`` (float32 0-d tensor), ``exp_avg`` / ``exp_avg_sq`` (uint8, the local
-param's shape), ``exp_avg_absmax`` / ``exp_avg_sq_absmax`` (float32, ceil(numel / block_size)),
-plus ``master`` / ``master_remainder`` as ``mpfused.AdamW``. ``state_dict()`` adds
+Live ``optimizer.state[p]`` of an 8-bit param: ``step`` (float32 0-d tensor), ``exp_avg`` /
+``exp_avg_sq`` (uint8, the local param's shape), ``exp_avg_absmax`` / ``exp_avg_sq_absmax``
+(float32, ceil(numel / block_size)), plus ``master`` / ``master_remainder`` as ``mpfused.AdamW``.
+
+Saved format, version 2 (``FORMAT_VERSION``): ``state_dict()`` stores an 8-bit param's state
+under bitsandbytes' key names, so that no uint8 codes sit under torch's ``exp_avg`` /
+``exp_avg_sq`` (``torch.optim.AdamW.load_state_dict`` would cast them to float and train on
+them): ``step``, ``state1`` / ``state2`` (uint8 codes of exp_avg / exp_avg_sq), ``absmax1`` /
+``absmax2`` (float32) and ``master`` or ``master_remainder`` when the param has one. A param
+with fp32 state keeps torch's ``step``, ``exp_avg``, ``exp_avg_sq`` (+ master). The dict adds
 ``"mpfused_8bit": {"version", "signed_map", "unsigned_map"}``; ``block_size`` is a group
-setting. ``load_state_dict`` restores every tensor with its own dtype (never cast to the
-param's), from any ``map_location``, and rejects a block size, shape or absmax length that does
-not match, naming the param and the rule. It also accepts a ``torch.optim.AdamW``/``Adam``
-state_dict (moments are quantized) and a bitsandbytes ``AdamW8bit`` one (``state1``/``absmax1``
-...; 256-element blocks). ``to_torch_state_dict()`` returns a state_dict that
-``torch.optim.AdamW`` (``Adam`` for ``Adam8bit``) loads, with dequantized fp32 moments (DTensors
-for DTensor params); ``from_torch_state_dict(sd)`` is ``load_state_dict(sd)``.
+setting. Version 1 (codes under ``exp_avg`` / ``exp_avg_sq``, absmax under ``exp_avg_absmax``
+/ ``exp_avg_sq_absmax``) still loads; ``optimizer.state_dict_version = 1`` makes
+``state_dict()`` write it (DCP fills a template's keys, so loading a version-1 DCP checkpoint
+needs a version-1 template).
+
+``load_state_dict`` restores every tensor with its own dtype (never cast to the param's), from
+any ``map_location``, and rejects a block size, shape, absmax length or moment pair (both
+codes, or both float) that does not match, and ``amsgrad=True`` groups, naming the param and
+the rule. It also accepts a ``torch.optim.AdamW``/``Adam`` state_dict (moments are quantized)
+and a bitsandbytes ``AdamW8bit`` one (``state1``/``absmax1`` ...; 256-element blocks).
+``to_torch_state_dict()`` returns a state_dict that ``torch.optim.AdamW`` (``Adam`` for
+``Adam8bit``) loads, with dequantized fp32 moments (DTensors for DTensor params);
+``from_torch_state_dict(sd)`` is ``load_state_dict(sd)``. ``to_bitsandbytes_state_dict()``
+returns one that ``bitsandbytes.optim.AdamW8bit`` loads.
 
 FSDP2 / DCP: the live codes and absmax of a DTensor param are per local shard (plain tensors,
 blocks of the local shard). ``state_dict()`` gives them in the unsharded layout, so a DCP
@@ -61,6 +78,7 @@ included), ``max_grad_norm`` fuses clipping. bitsandbytes' legacy constructor ar
 """
 from __future__ import annotations
 
+import sys
 import warnings
 import weakref
 
@@ -78,13 +96,14 @@ from mpfused.quant_maps import (SIGNED_ZERO_CODE, dequantize_blockwise, encode, 
 __all__ = ["AdamW8bit", "Adam8bit", "keep_32bit_state", "BLOCK_SIZES", "FORMAT_VERSION"]
 
 BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)  # bitsandbytes' CUDA set
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: 8-bit entries saved under bitsandbytes' keys (state1, absmax1, ...)
 _BNB_BLOCK = 256  # bitsandbytes >= 0.44
 _LEGACY = {"optim_bits": 32, "args": None, "percentile_clipping": 100, "block_wise": True,
            "is_paged": False, "max_unorm": 0.0, "skip_zeros": False}
 _8BIT_KEYS = ("exp_avg", "exp_avg_sq", "exp_avg_absmax", "exp_avg_sq_absmax")
 _BNB_KEYS = {"state1": "exp_avg", "state2": "exp_avg_sq", "absmax1": "exp_avg_absmax",
              "absmax2": "exp_avg_sq_absmax"}
+_SAVED_KEYS = {key: bnb_key for bnb_key, key in _BNB_KEYS.items()}  # live -> saved (version 2)
 _TORCH_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach",
                      "capturable", "differentiable", "fused")
 
@@ -93,25 +112,69 @@ _KEEP32_MODULES: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 _OVERRIDES = [0]  # bumped on every registration: cached kernel plans are rebuilt
 
 
-def keep_32bit_state(module_or_params) -> None:
+def keep_32bit_state(module_or_params, enabled: bool = True) -> None:
     """Keep fp32 optimizer state for these params in every ``AdamW8bit``/``Adam8bit``: a module
     (all its parameters, resolved at each step, so params replaced later, e.g. by FSDP2, are
     covered), a parameter, or an iterable of either. The usual case is embeddings (8-bit
-    embedding state is known to destabilize training)."""
+    embedding state is known to destabilize training). Takes effect at the next step, converting
+    existing state.
+
+    ``enabled=False`` undoes an earlier call for the same modules / params. A param still stays
+    32-bit while another registered module contains it, or while bitsandbytes'
+    ``GlobalOptimManager`` keeps it at 32 bits."""
     items = [module_or_params] if isinstance(module_or_params, (torch.nn.Module, torch.Tensor)) \
         else list(module_or_params)
+    for item in items:  # all checked first: a rejected call registers nothing
+        if not isinstance(item, (torch.nn.Module, torch.Tensor)):
+            raise TypeError(f"keep_32bit_state takes modules or parameters, got {type(item)}")
     for item in items:
         if isinstance(item, torch.nn.Module):
-            _KEEP32_MODULES.add(item)
-        elif isinstance(item, torch.Tensor):
+            (_KEEP32_MODULES.add if enabled else _KEEP32_MODULES.discard)(item)
+        elif enabled:
             item._mpfused_optim_bits = 32
         else:
-            raise TypeError(f"keep_32bit_state takes modules or parameters, got {type(item)}")
+            item.__dict__.pop("_mpfused_optim_bits", None)
     _OVERRIDES[0] += 1
 
 
 def _kept_32bit_ids() -> set[int]:
-    return {id(p) for m in list(_KEEP32_MODULES) for p in m.parameters()}
+    return {id(p) for m in list(_KEEP32_MODULES) for p in m.parameters()} | _bnb_32bit_ids()
+
+
+def _bnb_manager():
+    """bitsandbytes' GlobalOptimManager instance, or None. Never imports bitsandbytes (only reads
+    it when the user already did) and never creates the instance (get_instance() would)."""
+    module = sys.modules.get("bitsandbytes.optim.optimizer")
+    return getattr(getattr(module, "GlobalOptimManager", None), "_instance", None)
+
+
+def _bnb_32bit_ids() -> set[int]:
+    """ids of the params bitsandbytes keeps at optim_bits=32: ``override_config`` (pid2config,
+    keyed by id(p)) and ``register_module_override`` (module_weight_config_triple, resolved to
+    the module's current param, as bnb's first step does, and winning over pid2config as there).
+    index2config is positional (a (group, param) index into whatever optimizer registered it)
+    and is filled from pid2config, so it is not read. Read only: nothing here changes bnb."""
+    mng = _bnb_manager()
+    if mng is None:
+        return set()
+    bits = {pid: cfg.get("optim_bits") for pid, cfg in dict(getattr(mng, "pid2config", {})).items()
+            if isinstance(cfg, dict)}
+    for module, name, cfg in list(getattr(mng, "module_weight_config_triple", [])):
+        p = getattr(module, name, None)
+        if isinstance(p, torch.Tensor) and isinstance(cfg, dict):
+            bits[id(p)] = cfg.get("optim_bits", bits.get(id(p)))
+    return {pid for pid, b in bits.items() if b == 32}
+
+
+def _overrides_epoch() -> tuple:
+    """A value that changes whenever the 32-bit overrides may have (cached kernel plans are
+    rebuilt then). bnb's registrations are seen by their count: a config dict edited in place
+    is not seen until the plan is rebuilt for another reason."""
+    mng = _bnb_manager()
+    if mng is None:
+        return (_OVERRIDES[0],)
+    return (_OVERRIDES[0], len(getattr(mng, "pid2config", ())),
+            len(getattr(mng, "module_weight_config_triple", ())))
 
 
 def _check_block_size(block_size, where: str = "block_size") -> None:
@@ -120,8 +183,38 @@ def _check_block_size(block_size, where: str = "block_size") -> None:
                          f"4096, as bitsandbytes), got {block_size!r}")
 
 
+def _check_group_8bit(group, where: str = "param group") -> None:
+    """A param group's 8-bit settings (add_param_group, and again when a step sees them
+    changed)."""
+    _check_block_size(group["block_size"], f"{where} block_size")
+    if group["optim_bits"] not in (8, 32):
+        raise ValueError(f"{where} optim_bits must be 8 or 32, got {group['optim_bits']!r}")
+    size = group["min_8bit_size"]
+    if not isinstance(size, int) or size < 0:
+        raise ValueError(f"{where} min_8bit_size must be an int >= 0, got {size!r}")
+    if group.get("amsgrad"):
+        raise ValueError(f"{where} amsgrad=True is not supported (as bitsandbytes); use "
+                         "mpfused.AdamW")
+
+
+def _state_block_size(state, numel: int, current: int) -> int:
+    """The block size a live 8-bit state was quantized with, told by its absmax length: two
+    block sizes give the same ceil(numel / block_size) only when both give one block, and then
+    the layouts are the same."""
+    blocks = state["exp_avg_absmax"].numel()
+    if blocks == num_blocks(numel, current):
+        return current
+    for block in BLOCK_SIZES:
+        if num_blocks(numel, block) == blocks:
+            return block
+    raise RuntimeError(f"mpfused.AdamW8bit: an 8-bit state of {numel} elements has {blocks} "
+                       f"absmax entries, which no block size in {BLOCK_SIZES} gives")
+
+
 class AdamW8bit(AdamW):
     _quantized_moments = True  # exp_avg/exp_avg_sq may be uint8 codes in a state_dict
+    state_dict_version = FORMAT_VERSION  # 1: state_dict() writes version-1 keys (see above)
+
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
                  block_size: int = 256, min_8bit_size: int = 4096, master_weights: str = "fp32",
@@ -156,11 +249,11 @@ class AdamW8bit(AdamW):
         group = self.param_groups[-1]
         for key, value in self._8bit_defaults.items():
             group.setdefault(key, value)
-        _check_block_size(group["block_size"], "param group block_size")
-        if group["optim_bits"] not in (8, 32):
-            raise ValueError(f"param group optim_bits must be 8 or 32, got {group['optim_bits']!r}")
-        if group.get("amsgrad"):
-            raise ValueError(f"{type(self).__name__} does not support amsgrad=True")
+        try:
+            _check_group_8bit(group)
+        except ValueError as e:
+            self.param_groups.pop()  # nothing of the rejected group stays (as AdamW's checks)
+            raise ValueError(f"mpfused.{type(self).__name__}: {e}") from None
 
     _PICKLED = {**AdamW._PICKLED,
                 "_8bit_defaults": dict(block_size=256, min_8bit_size=4096, optim_bits=8)}
@@ -209,9 +302,10 @@ class AdamW8bit(AdamW):
         elif mode == MASTER_MODES["remainder"]:
             state["master_remainder"] = torch.zeros_like(p, dtype=torch.int16)
 
-    def _convert_state(self, group, p, to_8bit: bool) -> None:
-        """Quantize fp32 moments (to_8bit) or dequantize codes, in place in self.state[p]."""
-        state, block = self.state[p], group["block_size"]
+    def _convert_state(self, group, p, to_8bit: bool, block: int | None = None) -> None:
+        """Quantize fp32 moments (to_8bit) or dequantize codes, in place in self.state[p], with
+        blocks of `block` (default: the group's)."""
+        state, block = self.state[p], block or group["block_size"]
         local = _local(p)
         if to_8bit:
             for key, qmap, absmax_key in (("exp_avg", signed_map(local.device), "exp_avg_absmax"),
@@ -227,18 +321,31 @@ class AdamW8bit(AdamW):
                 block)
 
     def _sync_form(self, group, p, want_8bit: bool) -> None:
+        """Bring p's state to the form its group wants: 8-bit or fp32, and 8-bit in blocks of the
+        group's block_size (after a change of it: dequantize with the old blocks, re-quantize)."""
         state = self.state[p]
-        if "exp_avg" in state and self._is_8bit_state(state) != want_8bit:
-            self._convert_state(group, p, to_8bit=want_8bit)
+        if "exp_avg" not in state:
+            return
+        if self._is_8bit_state(state):
+            old = _state_block_size(state, _local(p).numel(), group["block_size"])
+            if want_8bit and old == group["block_size"]:
+                return
+            self._convert_state(group, p, to_8bit=False, block=old)
+        if want_8bit:
+            self._convert_state(group, p, to_8bit=True)
 
     # ---- kernel plan: 8-bit and fp32-state params in separate buckets ---------------------------
     def _plan(self, index: int, group, grads) -> GroupPlan:
         params = group["params"]
         extra = (group["master_weights"], group["optim_bits"], group["block_size"],
-                 group["min_8bit_size"], _OVERRIDES[0])
+                 group["min_8bit_size"], _overrides_epoch())
         plan = self._plans.get(index)
         if plan is not None and plan.matches(params, grads, extra):
             return plan
+        try:  # settings may have been changed in the group since add_param_group
+            _check_group_8bit(group, f"param_groups[{index}]")
+        except ValueError as e:
+            raise ValueError(f"mpfused.{type(self).__name__}: {e}") from None
         kept = _kept_32bit_ids()
         buckets = []
         for b in build_buckets(params, grads):
@@ -301,6 +408,7 @@ class AdamW8bit(AdamW):
             saved = sd["state"].get(pid)
             if not saved:
                 continue
+            saved = _saved_8bit(saved)  # the live key names
             out = {"step": saved["step"].detach().float().reshape(()).cpu().clone()}  # no alias
             block = groups_of[id(p)]["block_size"]
             for key, qmap, absmax_key in (("exp_avg", signed_map, "exp_avg_absmax"),
@@ -321,6 +429,61 @@ class AdamW8bit(AdamW):
                 tg["param_names"] = g["param_names"]
             groups.append(tg)
         return {"state": state, "param_groups": groups}
+
+    def to_bitsandbytes_state_dict(self) -> dict:
+        """A state_dict that ``bitsandbytes.optim.AdamW8bit`` (``Adam8bit`` for weight_decay=0)
+        over the same params and groups loads: per param ``step`` (int), ``state1`` /
+        ``state2`` with ``qmap1`` / ``qmap2`` and ``absmax1`` / ``absmax2`` for 8-bit params
+        (uint8 codes), fp32 ``state1`` / ``state2`` otherwise; groups with bitsandbytes' keys.
+        bitsandbytes' blocks are 256 elements: a group with another block_size is re-quantized
+        (nearest codes of the new blocks, not bit-exact). Masters are dropped (bitsandbytes
+        has none) and bitsandbytes decides nothing from min_8bit_size once state exists."""
+        state, groups, index = {}, [], 0
+        for gi, group in enumerate(self.param_groups):
+            if any(is_dtensor(p) for p in group["params"]):
+                raise NotImplementedError(
+                    f"to_bitsandbytes_state_dict: param group {gi} has DTensor params; "
+                    "bitsandbytes' optimizers take plain tensors (use state_dict() with DCP)")
+            if group["maximize"]:
+                raise ValueError(f"to_bitsandbytes_state_dict: param group {gi} has "
+                                 "maximize=True, which bitsandbytes does not support")
+            if not self._decoupled and group["weight_decay"]:
+                raise ValueError(
+                    f"to_bitsandbytes_state_dict: param group {gi} has weight_decay="
+                    f"{group['weight_decay']} with Adam's L2 decay; bitsandbytes' Adam8bit "
+                    "decouples weight decay (AdamW), so its steps would differ")
+            ids = []
+            for p in group["params"]:
+                ids.append(index)
+                if self.state.get(p):
+                    state[index] = self._bnb_entry(group, p, self.state[p])
+                index += 1
+            lr = group["lr"]
+            groups.append({"lr": float(lr.item() if isinstance(lr, torch.Tensor) else lr),
+                           "betas": tuple(float(b) for b in group["betas"]),
+                           "eps": float(group["eps"]),
+                           "weight_decay": float(group["weight_decay"]), "alpha": 0.0,
+                           "t_alpha": None, "t_beta3": None, "params": ids})
+        return {"state": state, "param_groups": groups}
+
+    def _bnb_entry(self, group, p, st) -> dict:
+        """One param's state in bitsandbytes' layout (new tensors: never the live ones)."""
+        entry = {"step": int(st["step"].item())}
+        if not self._is_8bit_state(st):
+            entry.update(state1=st["exp_avg"].detach().float().clone(),
+                         state2=st["exp_avg_sq"].detach().float().clone())
+            return entry
+        dev = st["exp_avg"].device
+        # the live layout: it lags a block_size change until the next step converts it
+        block = _state_block_size(st, p.numel(), group["block_size"])
+        for n, key, qmap in ((1, "exp_avg", signed_map(dev)), (2, "exp_avg_sq", unsigned_map(dev))):
+            codes, absmax = st[key], st[key + "_absmax"]
+            if block != _BNB_BLOCK:
+                codes, absmax = quantize_blockwise(
+                    dequantize_blockwise(codes, absmax, qmap, block), qmap, _BNB_BLOCK)
+            entry.update({f"state{n}": codes.clone(), f"absmax{n}": absmax.clone(),
+                          f"qmap{n}": qmap.clone()})
+        return entry
 
     def from_torch_state_dict(self, state_dict: dict) -> None:
         """Load a ``torch.optim.AdamW``/``Adam`` (or mpfused, or bitsandbytes 8-bit)
@@ -491,7 +654,16 @@ def _from_global(p, codes, absmax, qmap, block):
 def _add_format(optimizer, state_dict):
     if not getattr(optimizer, "_local_8bit_state_dict", False):
         _globalize(optimizer, state_dict)
-    state_dict["mpfused_8bit"] = {"version": FORMAT_VERSION, "signed_map": signed_map().clone(),
+    version = optimizer.state_dict_version
+    if version not in (1, 2):
+        raise ValueError(f"mpfused.{type(optimizer).__name__}: state_dict_version must be 1 or 2, "
+                         f"got {version!r}")
+    # Version 2: codes never under torch's moment keys, where torch.optim would cast them to
+    # float and train on them. The live per-param dicts are replaced, never changed.
+    for pid, saved in state_dict["state"].items():
+        if version == 2 and saved and AdamW8bit._is_8bit_state(saved):
+            state_dict["state"][pid] = {_SAVED_KEYS.get(k, k): v for k, v in saved.items()}
+    state_dict["mpfused_8bit"] = {"version": version, "signed_map": signed_map().clone(),
                                   "unsigned_map": unsigned_map().clone()}
     return state_dict
 
@@ -520,11 +692,17 @@ def _where(gi, pi, p) -> str:
     return f"param {pi} of param group {gi} (shape {tuple(_local(p).shape)})"
 
 
-def _saved_8bit(saved: dict) -> dict:
-    """A param's saved state with bitsandbytes' keys (and its FSDP wrapper) mapped to ours."""
+def _saved_8bit(saved: dict, where: str = "") -> dict:
+    """A param's saved state with bitsandbytes' keys (ours since version 2, and bnb's FSDP
+    wrapper) mapped to the live ones."""
     saved = dict(saved)
     saved.update(saved.pop("__bnb_optimizer_quant_state__", {}) or {})
     for bnb_key, key in _BNB_KEYS.items():
+        if bnb_key in saved and key in saved:
+            raise ValueError(
+                f"load_state_dict: {where}: its saved state has both {bnb_key} and {key}; "
+                f"a state_dict holds a moment under one of them (version 2 or bitsandbytes: "
+                f"{bnb_key}, version 1: {key})")
         if bnb_key in saved:
             saved[key] = saved.pop(bnb_key)
     for key in ("qmap1", "qmap2", "unorm_vec"):
@@ -550,12 +728,18 @@ def _check_and_stash_8bit(optimizer, state_dict):
             if saved_map is not None and not torch.equal(saved_map.cpu().float(), qmap):
                 raise ValueError(f"the checkpoint's {name} differs from bitsandbytes' dynamic map "
                                  "used here: its codes cannot be decoded")
+    for gi, sg in enumerate(saved_groups):
+        if sg.get("amsgrad"):
+            raise ValueError(
+                f"load_state_dict: param group {gi} was saved with amsgrad=True; "
+                f"mpfused.{type(optimizer).__name__} does not support amsgrad (as bitsandbytes): "
+                "load it into mpfused.AdamW(amsgrad=True)")
     new_state = {}
     for gi, (sg, group) in enumerate(zip(saved_groups, optimizer.param_groups)):
         for pi, (pid, p) in enumerate(zip(sg["params"], group["params"])):
             if pid not in saved_state:
                 continue
-            saved = _saved_8bit(saved_state[pid])
+            saved = _saved_8bit(saved_state[pid], _where(gi, pi, p))
             new_state[pid] = saved
             local = _local(p)
             moment = saved.get("exp_avg")
@@ -564,8 +748,18 @@ def _check_and_stash_8bit(optimizer, state_dict):
             moment = _local(moment)  # DCP + FSDP2 hands DTensors: compare the local shard
             if tuple(moment.shape) != tuple(local.shape):
                 raise ValueError(
-                    f"load_state_dict: {_where(gi, pi, p)}: saved exp_avg has shape "
+                    f"load_state_dict: {_where(gi, pi, p)}: saved state1/exp_avg has shape "
                     f"{tuple(moment.shape)}; optimizer state must have the param's (local) shape")
+            second = saved.get("exp_avg_sq")
+            if (moment.dtype == torch.uint8) != (isinstance(second, torch.Tensor)
+                                                 and second.dtype == torch.uint8):
+                kinds = ["uint8 codes" if isinstance(t, torch.Tensor) and t.dtype == torch.uint8
+                         else "missing" if t is None else f"{getattr(t, 'dtype', type(t))}"
+                         for t in (moment, second)]
+                raise ValueError(
+                    f"load_state_dict: {_where(gi, pi, p)}: its first moment (state1/exp_avg) is "
+                    f"{kinds[0]} but its second (state2/exp_avg_sq) is {kinds[1]}; a state holds "
+                    "both moments as uint8 codes (8-bit) or both as floats (32-bit)")
             if moment.dtype != torch.uint8:
                 continue
             block = sg.get("block_size", group["block_size"]) if ours else _BNB_BLOCK
@@ -582,9 +776,11 @@ def _check_and_stash_8bit(optimizer, state_dict):
                 numel = (p if is_dtensor(absmax) else local).numel()
                 blocks = num_blocks(numel, block)
                 if not isinstance(absmax, torch.Tensor) or absmax.numel() != blocks:
-                    got = "missing" if absmax is None else f"{absmax.numel()} entries"
+                    got = ("missing" if absmax is None else f"{absmax.numel()} entries"
+                           if isinstance(absmax, torch.Tensor) else f"a {type(absmax).__name__}")
                     raise ValueError(
-                        f"load_state_dict: {_where(gi, pi, p)}: {key} is {got}, but "
+                        f"load_state_dict: {_where(gi, pi, p)}: {_SAVED_KEYS[key]}/{key} is "
+                        f"{got}, but "
                         f"ceil(numel / block_size) = ceil({numel} / {block}) = {blocks} "
                         "are required (a checkpoint quantized with another block size, e.g. "
                         "bitsandbytes < 0.44 used 2048?)")
