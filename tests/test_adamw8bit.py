@@ -718,3 +718,25 @@ def test_version1_dcp_checkpoint_loads_through_a_version1_template(tmp_path):
     opt2.load_state_dict(template["optim"])
     for k, v in opt.state[p].items():
         assert torch.equal(opt2.state[q][k], v), k
+
+
+def test_adam8bit_decoupled_weight_decay_is_adamw8bit():
+    """bitsandbytes' Adam8bit decouples weight decay; mpfused.Adam8bit follows torch.optim.Adam
+    unless decoupled_weight_decay=True, which then steps exactly as AdamW8bit."""
+    torch.manual_seed(0)
+    base = torch.randn(5000)
+    a = torch.nn.Parameter(base.clone())
+    b = torch.nn.Parameter(base.clone())
+    c = torch.nn.Parameter(base.clone())
+    oa = mpfused.Adam8bit([a], lr=1e-2, weight_decay=0.1, decoupled_weight_decay=True)
+    ob = mpfused.AdamW8bit([b], lr=1e-2, weight_decay=0.1)
+    oc = mpfused.Adam8bit([c], lr=1e-2, weight_decay=0.1)
+    for _ in range(3):
+        g = torch.randn(5000)
+        for p, o in ((a, oa), (b, ob), (c, oc)):
+            p.grad = g.clone()
+            o.step()
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    with pytest.raises(ValueError, match="always decouples"):
+        mpfused.AdamW8bit([torch.nn.Parameter(base.clone())], decoupled_weight_decay=False)

@@ -220,7 +220,8 @@ class AdamW8bit(AdamW):
                  block_size: int = 256, min_8bit_size: int = 4096, master_weights: str = "fp32",
                  max_grad_norm: float | None = None, maximize: bool = False,
                  capturable: bool = False, backend: str | None = None, seed: int = 0,
-                 foreach=None, fused=None, differentiable: bool = False, **legacy):
+                 foreach=None, fused=None, differentiable: bool = False,
+                 decoupled_weight_decay: bool | None = None, **legacy):
         if amsgrad:
             raise ValueError(f"{type(self).__name__} does not support amsgrad=True "
                              "(as bitsandbytes); use mpfused.AdamW")
@@ -241,7 +242,8 @@ class AdamW8bit(AdamW):
         super().__init__(params, lr, betas, eps, weight_decay, False, maximize=maximize,
                          capturable=capturable, master_weights=master_weights,
                          max_grad_norm=max_grad_norm, backend=backend, seed=seed,
-                         foreach=foreach, fused=fused, differentiable=differentiable)
+                         foreach=foreach, fused=fused, differentiable=differentiable,
+                         decoupled_weight_decay=decoupled_weight_decay)
         self.defaults.update(self._8bit_defaults)
 
     def add_param_group(self, param_group) -> None:
@@ -387,8 +389,8 @@ class AdamW8bit(AdamW):
         if not s["eight"]:
             return super()._launch(b, grads, group, hyper, scaling)
         s["step_"](grads, s["qmap1"], s["qmap2"], int(group["block_size"]), *hyper,
-                   bool(group["maximize"]), self._decoupled, s["mode"], *scaling,
-                   backend=self._backend)
+                   bool(group["maximize"]), bool(group["decoupled_weight_decay"]), s["mode"],
+                   *scaling, backend=self._backend)
 
     # ---- conversions -------------------------------------------------------------------------
     def to_torch_state_dict(self) -> dict:
@@ -424,7 +426,8 @@ class AdamW8bit(AdamW):
         groups = []
         for g in sd["param_groups"]:
             tg = {k: g[k] for k in _TORCH_GROUP_KEYS if k in g}
-            tg.update(amsgrad=False, decoupled_weight_decay=self._decoupled, params=g["params"])
+            tg.update(amsgrad=False, decoupled_weight_decay=bool(g["decoupled_weight_decay"]),
+                      params=g["params"])
             if "param_names" in g:
                 tg["param_names"] = g["param_names"]
             groups.append(tg)
@@ -447,7 +450,7 @@ class AdamW8bit(AdamW):
             if group["maximize"]:
                 raise ValueError(f"to_bitsandbytes_state_dict: param group {gi} has "
                                  "maximize=True, which bitsandbytes does not support")
-            if not self._decoupled and group["weight_decay"]:
+            if not group["decoupled_weight_decay"] and group["weight_decay"]:
                 raise ValueError(
                     f"to_bitsandbytes_state_dict: param group {gi} has weight_decay="
                     f"{group['weight_decay']} with Adam's L2 decay; bitsandbytes' Adam8bit "
@@ -493,7 +496,8 @@ class AdamW8bit(AdamW):
 
 class Adam8bit(AdamW8bit):
     """``torch.optim.Adam`` semantics with 8-bit state: L2 weight decay added to the gradient,
-    default 0. (bitsandbytes' Adam8bit decouples weight decay, i.e. acts as AdamW8bit.)"""
+    default 0. bitsandbytes' Adam8bit decouples weight decay (acts as AdamW8bit): pass
+    ``decoupled_weight_decay=True`` for its behaviour."""
     _decoupled = False
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
