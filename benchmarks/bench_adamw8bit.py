@@ -14,7 +14,7 @@ median process CPU time per step (CPU: all threads; steadier than wall time on a
 exact with --threads 1). Bytes/param counts each distinct state tensor once, for the large
 (8-bit) tensors only and for the whole model. The bytes-moved limit of a step is the bytes it
 must read and write (fp32 param read + write, grad read, state read + write: 16.06 B/param with
-8-bit state and 256-element blocks, 28 with fp32 state) over the measured copy bandwidth;
+8-bit state and 256-element blocks, 28 with fp32 state) over the measured stream bandwidth (common.stream_bandwidth_at);
 `x_limit` is the step time over that limit.
 
 Writes benchmarks/results/bench_adamw8bit_<device>_<date>.{json,csv}. Not a test:
@@ -37,7 +37,7 @@ import torch
 
 if __package__ in (None, ""):  # run as a script: python benchmarks/bench_adamw8bit.py
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.common import copy_bandwidth_at, round_order  # noqa: E402
+from benchmarks.common import stream_bandwidth_at, round_order  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 BLOCK = 256  # the state block of all three 8-bit optimizers (their defaults)
@@ -160,8 +160,8 @@ def bench(sizes, steps, rounds, warmup, device):
         for name, r in runs.items():
             med = statistics.median(r["times"])
             big = [p for p in r["params"] if p.dim() == 2]
-            # copy bandwidth at this optimizer's working set (the same cache level)
-            bandwidth = copy_bandwidth_at(device, numel * _moved_bytes_per_param(name))
+            # stream bandwidth at this optimizer's working set (the same cache level)
+            bandwidth = stream_bandwidth_at(device, numel * _moved_bytes_per_param(name))
             limit = numel * _moved_bytes_per_param(name) / bandwidth
             rows.append(dict(
                 optimizer=name, device=device, params=numel, tensors=len(r["params"]),
@@ -170,7 +170,7 @@ def bench(sizes, steps, rounds, warmup, device):
                 cpu_ms=statistics.median(r["cpu"]) * 1e3,
                 cpu_vs_torch_fused=statistics.median(r["cpu"]) / ref_cpu,
                 moved_bytes_per_param=_moved_bytes_per_param(name), limit_ms=limit * 1e3,
-                x_limit=med / limit, copy_bandwidth_GBps=bandwidth / 1e9,
+                x_limit=med / limit, stream_bandwidth_GBps=bandwidth / 1e9,
                 state_bytes_per_param_large=_state_bytes(r["opt"], big) / sum(p.numel() for p in big),
                 state_bytes_per_param_all=_state_bytes(r["opt"], r["params"]) / numel,
                 warmup_s=r["warmup_s"], steps_timed=len(r["times"])))

@@ -10,7 +10,7 @@ import argparse
 
 import torch
 
-from benchmarks.common import copy_bandwidth_at, print_table, side_by_side, split_sizes, write_results
+from benchmarks.common import stream_bandwidth_at, print_table, side_by_side, split_sizes, write_results
 from mpfused.ops import amp as amp_ops
 
 
@@ -33,8 +33,8 @@ def main(argv=None):
                 inv = torch.ones((), device=dev)  # 1.0 keeps values stable across repetitions
                 nbytes = total * grads[0].element_size()
                 row = {"total": total, "tensors": count, "dtype": name}
-                bw = copy_bandwidth_at(dev, 2 * nbytes)  # the unscale pass's working set
-                row["copy_GBps"] = bw / 1e9
+                bw = stream_bandwidth_at(dev, 2 * nbytes)  # the unscale pass's working set
+                row["stream_GBps"] = bw / 1e9
                 fns = {"unscale": lambda: amp_ops.unscale_grads_(grads, found, inv),
                        "check": lambda: amp_ops.check_grads(grads, found, inv)}
                 torch_fn = lambda: torch._amp_foreach_non_finite_check_and_unscale_(  # noqa: E731
