@@ -1,5 +1,6 @@
 """Small tensors of a step move between devices asynchronously, except into host memory, where
 the CPU kernels read them at once (a non_blocking GPU -> CPU copy would still be in flight)."""
+import pytest
 import torch
 
 from mpfused.device_copy import copy_to
@@ -29,3 +30,12 @@ def test_copy_into_host_memory_is_blocking():
 def test_copy_on_the_host_keeps_the_tensor():
     t = torch.ones(3)
     assert copy_to(t, "cpu") is t
+
+
+def test_cpu_tensor_into_a_captured_step_is_a_clear_error(monkeypatch):
+    """A CPU tensor lr copied to the GPU inside CUDA graph capture would replay from a stale
+    host buffer: refused, naming the rule (capture mocked: no GPU here)."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="during CUDA graph capture.*on the GPU"):
+        copy_to(torch.tensor(1e-3), "cuda")
+    assert copy_to(torch.ones(2), "cpu").device.type == "cpu"  # host to host: no copy at all
