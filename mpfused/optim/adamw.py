@@ -34,7 +34,6 @@ __all__ = ["AdamW", "Adam", "MASTER_MODES"]
 
 MASTER_MODES = {"none": 0, "fp32": 1, "remainder": 2}
 _STOCHASTIC = 3
-_MOMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 def _check_hyper(name: str, value, low: float, high: float = math.inf, low_open=False):
@@ -183,18 +182,15 @@ class AdamW(Optimizer):
         return MASTER_MODES[mode]
 
     def _init_state(self, group, p) -> None:
+        """Step and moments of a param without state; _sync_state_keys adds what the group's
+        options need (masters, max_exp_avg_sq)."""
         state = self.state[p]
         if len(state) != 0:
             return
+        self._master_mode(group, p)  # an invalid mode for this dtype fails before any state
         state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        for key in _MOMENT_KEYS[: 3 if group["amsgrad"] else 2]:
+        for key in ("exp_avg", "exp_avg_sq"):
             state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
-        mode = self._master_mode(group, p)
-        if mode == MASTER_MODES["fp32"]:
-            state["master"] = p.detach().float()
-        elif mode == MASTER_MODES["remainder"]:
-            state["master_remainder"] = torch.zeros_like(p, dtype=torch.int16,
-                                                         memory_format=torch.preserve_format)
 
     def _plan(self, index: int, group, grads) -> GroupPlan:
         params = group["params"]
@@ -224,7 +220,8 @@ class AdamW(Optimizer):
             state.pop("master", None)
         if mode == MASTER_MODES["remainder"]:
             if "master_remainder" not in state:
-                state["master_remainder"] = torch.zeros_like(p, dtype=torch.int16)
+                state["master_remainder"] = torch.zeros_like(p, dtype=torch.int16,
+                                                             memory_format=torch.preserve_format)
         else:
             state.pop("master_remainder", None)
         if group["amsgrad"] and "max_exp_avg_sq" not in state:
@@ -431,10 +428,6 @@ def _restore_fp32_state(optimizer):
                 state[key] = value.to(device=local.device, dtype=torch.float32)
             else:
                 state[key] = value.to(device=local.device)
-        mode = optimizer._master_mode(group, p)
-        # From p, not its local shard: a DTensor param gets DTensor state, as in _init_state
-        # (a plain local tensor would be saved by DCP as if replicated).
-        if mode == MASTER_MODES["fp32"] and "master" not in state:
-            state["master"] = p.detach().float()
-        if mode == MASTER_MODES["remainder"] and "master_remainder" not in state:
-            state["master_remainder"] = torch.zeros_like(p, dtype=torch.int16)
+        # a torch checkpoint has no masters: taken from p, not its local shard (a DTensor param
+        # gets DTensor state; a plain local tensor would be saved by DCP as if replicated)
+        optimizer._sync_state_keys(group, p, optimizer._master_mode(group, p))

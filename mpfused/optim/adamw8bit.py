@@ -88,7 +88,7 @@ from mpfused.distributed import all_reduce_, is_dtensor, mesh_groups
 from mpfused.ops import adam8bit as adam8bit_ops
 from mpfused.ops.bound import BoundOp
 from mpfused.optim._buckets import Bucket, GroupPlan, build_buckets
-from mpfused.optim.adamw import MASTER_MODES, AdamW, _local
+from mpfused.optim.adamw import AdamW, _local
 from mpfused.quant_maps import (SIGNED_ZERO_CODE, dequantize_blockwise, encode, inv_scale,
                                 num_blocks, quantize_blockwise, signed_map, unsigned_map,
                                 zero_code)
@@ -233,12 +233,10 @@ class AdamW8bit(AdamW):
             if value != _LEGACY[key] and not (key == "optim_bits" and value == 8):
                 warnings.warn(f"{type(self).__name__}: {key}={value!r} is a legacy "
                               "bitsandbytes argument and is ignored", stacklevel=2)
-        _check_block_size(block_size)
-        if not isinstance(min_8bit_size, int) or min_8bit_size < 0:
-            raise ValueError(f"min_8bit_size must be an int >= 0, got {min_8bit_size!r}")
         # Read by add_param_group, which super().__init__ calls.
         self._8bit_defaults = dict(block_size=block_size, min_8bit_size=min_8bit_size,
                                    optim_bits=8)
+        _check_group_8bit(self._8bit_defaults, f"mpfused.{type(self).__name__}:")
         super().__init__(params, lr, betas, eps, weight_decay, False, maximize=maximize,
                          capturable=capturable, master_weights=master_weights,
                          max_grad_norm=max_grad_norm, backend=backend, seed=seed,
@@ -287,7 +285,8 @@ class AdamW8bit(AdamW):
         if len(state) != 0:
             return
         if not want_8bit:
-            return super()._init_state(group, p)  # step, fp32 moments, masters
+            return super()._init_state(group, p)  # step, fp32 moments
+        self._master_mode(group, p)  # an invalid mode for this dtype fails before any state
         local = _local(p)
         blocks = num_blocks(local.numel(), group["block_size"])
         state["step"] = torch.zeros((), dtype=torch.float32, device=local.device)
@@ -296,13 +295,8 @@ class AdamW8bit(AdamW):
         state["exp_avg_sq"] = torch.zeros(local.shape, dtype=torch.uint8, device=local.device)
         state["exp_avg_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=local.device)
         state["exp_avg_sq_absmax"] = torch.zeros(blocks, dtype=torch.float32, device=local.device)
-        # Masters as mpfused.AdamW: from p, so a DTensor param gets DTensor masters. The codes
-        # and absmax are per local shard (blocks never straddle shards).
-        mode = self._master_mode(group, p)
-        if mode == MASTER_MODES["fp32"]:
-            state["master"] = p.detach().float()
-        elif mode == MASTER_MODES["remainder"]:
-            state["master_remainder"] = torch.zeros_like(p, dtype=torch.int16)
+        # The codes and absmax are per local shard (blocks never straddle shards); masters come
+        # from AdamW._sync_state_keys, from p (a DTensor param gets DTensor masters).
 
     def _convert_state(self, group, p, to_8bit: bool, block: int | None = None) -> None:
         """Quantize fp32 moments (to_8bit) or dequantize codes, in place in self.state[p], with
