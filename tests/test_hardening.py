@@ -259,9 +259,14 @@ def test_adam8bit_step_property(device, backend, data):
         for a, b in zip(outs[0][k], outs[1][k]):
             assert (a.int() - b.int()).abs().max().item() <= 1
             assert (a != b).sum().item() <= max(2, 0.01 * a.numel())
-    for k in (3, 4):
-        for a, b in zip(outs[0][k], outs[1][k]):
-            assert_close(a, b, dtype=torch.float32, rtol=3e-5, atol=1e-12)
+    # absmax = max |beta m_old + (1 - beta) x|: where the two terms cancel the result is tiny and
+    # its fp32 rounding (e.g. of 1 - beta1 = 0.10000002) is relative to the terms, not to it.
+    eps = torch.finfo(torch.float32).eps
+    for k, old, beta, x in ((3, 0.1, 0.9, [g.float().abs() for g in grads]),
+                            (4, 0.01, 0.999, [g.float() ** 2 for g in grads])):
+        for a, b, am, xi in zip(outs[0][k], outs[1][k], absmax, x):
+            terms = old * am.max().item() + (1 - beta) * xi.max().item()
+            assert_close(a, b, dtype=torch.float32, rtol=3e-5, atol=8 * eps * terms)
 
 
 def _mem_available_gib() -> float:
