@@ -289,23 +289,6 @@ def autocast(model_or_device, dtype=None, *, enabled: bool = True, cache_enabled
 
 
 # ---- setup -----------------------------------------------------------------------------------
-_OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "adamw8bit": "AdamW8bit", "adam8bit": "Adam8bit"}
-
-
-def _optimizer_class(optimizer):
-    if isinstance(optimizer, type):
-        return optimizer
-    import mpfused
-    name = _OPTIMIZERS.get(str(optimizer).lower().replace("_", "").replace("-", ""))
-    if name is None:
-        raise ValueError(f"optimizer must be one of {sorted(_OPTIMIZERS)} or an optimizer class, "
-                         f"got {optimizer!r}")
-    cls = getattr(mpfused, name, None)
-    if cls is None:
-        raise ImportError(f"mpfused.{name} is not available in this build of mpfused")
-    return cls
-
-
 def _enable_tf32() -> None:
     # "high": fp32 matmuls may use TF32 (CUDA) or the backend's equivalent; process-wide.
     torch.set_float32_matmul_precision("high")
@@ -322,26 +305,34 @@ def setup(model: nn.Module, optimizer="adamw", dtype="auto", lr=1e-3, weight_dec
       ``dtype``: ``"auto"`` = bf16 where supported, else fp16; ``"fp32"`` leaves it fp32.
     * ``optimizer``: ``"adamw"``, ``"adam"``, ``"adamw8bit"``, ``"adam8bit"`` (mpfused classes) or
       a class, built on ``model.parameters()`` with ``lr``, ``weight_decay``, ``master_weights``
-      (``"fp32"``, ``"remainder"`` (bf16 only) or ``"none"``) and ``optimizer_kwargs``.
+      (``"fp32"``, ``"remainder"`` (bf16 only) or ``"none"``) and ``optimizer_kwargs``. A class
+      without ``master_weights`` (``torch.optim.AdamW``, ...) is built without it and needs
+      ``dtype="fp32"`` (fp32 weights, no master); with 16-bit weights it is refused.
     * ``scaler``: ``mpfused.GradScaler(device.type)``, enabled for fp16 only (bf16 and fp32 need no
       loss scaling; a disabled scaler passes through, so the loop is the same).
     * ``tf32=True`` lets fp32 matmuls use TF32 (``torch.set_float32_matmul_precision("high")``,
       ``torch.backends.cuda.matmul.allow_tf32``, ``torch.backends.cudnn.allow_tf32``); these are
       process-wide settings. ``tf32=False`` leaves them as they are.
     """
+    from mpfused._setup_optimizer import (check_plain_optimizer, optimizer_class,
+                                          takes_master_weights)
     from mpfused.grad_scaler import GradScaler
     device = _module_device(model) if device is None else torch.device(device)
     dtype = resolve_dtype(dtype, device)
+    opt_class = optimizer_class(optimizer)
+    takes_master = takes_master_weights(opt_class)
+    if not takes_master:  # checked before the model is touched
+        check_plain_optimizer(opt_class, dtype, master_weights)
     if master_weights == "remainder" and dtype != torch.bfloat16:
         raise ValueError(f"master_weights='remainder' needs bf16 weights, but the dtype is {dtype}"
                          " (on this device 'auto' resolves to fp16: use master_weights='fp32')")
-    opt_class = _optimizer_class(optimizer)
     if tf32:
         _enable_tf32()
     model.to(device)
     cast_model(model, dtype, keep_fp32=keep_fp32, fp32_outputs=fp32_outputs)
-    opt = opt_class(model.parameters(), lr=lr, weight_decay=weight_decay,
-                    master_weights=master_weights, **optimizer_kwargs)
+    if takes_master:
+        optimizer_kwargs["master_weights"] = master_weights
+    opt = opt_class(model.parameters(), lr=lr, weight_decay=weight_decay, **optimizer_kwargs)
     scaler = GradScaler(device.type, enabled=dtype == torch.float16, **(scaler_kwargs or {}))
     return model, opt, scaler
 

@@ -5,6 +5,8 @@ DTensor grads (FSDP2): computed on the local shards, the norm SUM-all-reduced ov
 shard them (the global norm, as torch's), and returned as a plain tensor."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from mpfused.device_copy import copy_to
@@ -28,7 +30,11 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
     total_sq = torch.zeros((), dtype=torch.float32, device=first)
     parts, _, by_device = check_by_device(grads, first, None, backend)
     reduce_norm_parts(parts, total_sq)
-    total_norm = total_sq.sqrt()
+    # torch's dtype: its per-(device, dtype) norms are in the grads' dtypes and stacked, i.e.
+    # promoted (bf16 grads: a bf16 norm; bf16 + fp32: fp32). The coefficient below is computed
+    # from this rounded norm as in torch (fp16 grads whose norm passes 65504 get an inf norm).
+    dtype = functools.reduce(torch.promote_types, {g.dtype for g in grads})
+    total_norm = total_sq.sqrt().to(dtype)
     if error_if_nonfinite and not torch.isfinite(total_norm):
         raise RuntimeError(
             f"The total norm of order {float(norm_type)} for gradients from `parameters` is "
@@ -37,8 +43,8 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
     for device, by_key in by_device.items():
         gs = [g for part in by_key.values() for g in part]
-        amp_ops.unscale_grads_(gs, torch.zeros((), device=device), clip_coef.to(device), None,
-                               None, backend=backend)
+        amp_ops.unscale_grads_(gs, torch.zeros((), device=device), clip_coef.float().to(device),
+                               None, None, backend=backend)
     return total_norm
 
 

@@ -18,7 +18,6 @@ and a step with found_inf > 0 changes nothing (params, masters, moments, step co
 from __future__ import annotations
 
 import copy
-import math
 
 import torch
 from torch.optim.optimizer import Optimizer
@@ -28,19 +27,14 @@ from mpfused.device_copy import copy_to
 from mpfused.distributed import all_reduce_, found_inf_groups, reduce_norm_parts
 from mpfused.ops import adam as adam_ops
 from mpfused.ops.bound import BoundOp
+from mpfused.optim._args import check_impl_flags, check_mpfused_args, check_torch_args
 from mpfused.optim._buckets import GroupPlan, build_buckets
+from mpfused.optim._masters import master_from_remainder, restore_fp32_param, split_master
 
 __all__ = ["AdamW", "Adam", "MASTER_MODES"]
 
 MASTER_MODES = {"none": 0, "fp32": 1, "remainder": 2}
 _STOCHASTIC = 3
-
-
-def _check_hyper(name: str, value, low: float, high: float = math.inf, low_open=False):
-    v = value.item() if isinstance(value, torch.Tensor) else value
-    ok = math.isfinite(v) and (v > low if low_open else v >= low) and v < high
-    if not ok:
-        raise ValueError(f"Invalid {name}: {v}")
 
 
 class AdamW(Optimizer):
@@ -53,20 +47,11 @@ class AdamW(Optimizer):
                  master_weights: str = "fp32", max_grad_norm: float | None = None,
                  backend: str | None = None, seed: int = 0, foreach=None, fused=None,
                  differentiable: bool = False, decoupled_weight_decay: bool | None = None):
-        _check_hyper("learning rate", lr, 0.0)
-        _check_hyper("epsilon value", eps, 0.0)
-        _check_hyper("beta parameter at index 0", betas[0], 0.0, 1.0)
-        _check_hyper("beta parameter at index 1", betas[1], 0.0, 1.0)
-        _check_hyper("weight_decay value", weight_decay, 0.0)
+        betas = check_torch_args(lr, betas, eps, weight_decay, foreach, capturable)
+        check_mpfused_args(lr, eps, weight_decay, max_grad_norm)
         if master_weights not in MASTER_MODES:
             raise ValueError(f"master_weights must be one of {sorted(MASTER_MODES)}, got "
                              f"{master_weights!r}")
-        if max_grad_norm is not None:
-            _check_hyper("max_grad_norm", max_grad_norm, 0.0, low_open=True)
-        if differentiable:
-            raise RuntimeError("mpfused optimizers do not support `differentiable`")
-        if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-            raise ValueError("Tensor lr must be 1-element")
         if decoupled_weight_decay is None:
             decoupled_weight_decay = self._decoupled
         elif self._decoupled and not decoupled_weight_decay:
@@ -77,6 +62,7 @@ class AdamW(Optimizer):
                         foreach=foreach, fused=fused, differentiable=False,
                         decoupled_weight_decay=bool(decoupled_weight_decay))
         super().__init__(params, defaults)
+        check_impl_flags(fused, foreach, differentiable)  # after super().__init__, as torch
         self.max_grad_norm = max_grad_norm
         self._backend = backend
         self._seed = int(seed)
@@ -164,6 +150,9 @@ class AdamW(Optimizer):
                     state = self.state.get(p)
                     if not state:
                         continue
+                    if p.dtype == torch.float32:  # after model.float(): p is its own master
+                        state.pop("master", None)
+                        state.pop("master_remainder", None)
                     if "master" in state:
                         state["master"].copy_(p)
                     if "master_remainder" in state:
@@ -210,19 +199,25 @@ class AdamW(Optimizer):
     def _sync_state_keys(self, group, p, mode: int) -> None:
         """The state keys the bucket's mode needs, after a change since the state was made (the
         param's dtype changed by ``module.to()``, ``master_weights`` or ``amsgrad`` changed): a
-        missing master is taken from the param, a master the mode no longer uses is dropped (kept,
-        a stale one would overwrite the param if the mode came back)."""
+        missing master is converted exactly from the other form (fp32 master <-> bf16 param +
+        remainder) or else taken from the param; an fp32 param (``model.float()``) takes its
+        master's value; a master the mode no longer uses is dropped (kept, a stale one would
+        overwrite the param if the mode came back)."""
         state = self.state[p]
-        if mode == MASTER_MODES["fp32"]:
-            if "master" not in state:
-                state["master"] = p.detach().float()
-        else:
+        if mode == MASTER_MODES["fp32"] and "master" not in state:
+            rem = state.get("master_remainder")
+            state["master"] = (p.detach().float() if rem is None
+                               else master_from_remainder(p, rem))
+        elif mode == MASTER_MODES["remainder"] and "master_remainder" not in state:
+            master = state.get("master")
+            state["master_remainder"] = (
+                torch.zeros_like(p, dtype=torch.int16, memory_format=torch.preserve_format)
+                if master is None else split_master(p, master))
+        elif p.dtype == torch.float32:
+            restore_fp32_param(p, state)
+        if mode != MASTER_MODES["fp32"]:
             state.pop("master", None)
-        if mode == MASTER_MODES["remainder"]:
-            if "master_remainder" not in state:
-                state["master_remainder"] = torch.zeros_like(p, dtype=torch.int16,
-                                                             memory_format=torch.preserve_format)
-        else:
+        if mode != MASTER_MODES["remainder"]:
             state.pop("master_remainder", None)
         if group["amsgrad"] and "max_exp_avg_sq" not in state:
             state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32,
@@ -422,12 +417,12 @@ def _restore_fp32_state(optimizer):
                 value = torch.tensor(float(value))
             if not isinstance(value, torch.Tensor):
                 continue
+            # copy=True: .to() returns the state_dict's own tensor when dtype and device match,
+            # and two optimizers loaded from one state_dict would step each other's state
+            dtype = torch.float32 if key == "step" or value.is_floating_point() else value.dtype
+            state[key] = value.to(device=local.device, dtype=dtype, copy=True)
             if key == "step":
-                state[key] = value.to(device=local.device, dtype=torch.float32).reshape(())
-            elif value.is_floating_point():
-                state[key] = value.to(device=local.device, dtype=torch.float32)
-            else:
-                state[key] = value.to(device=local.device)
+                state[key] = state[key].reshape(())
         # a torch checkpoint has no masters: taken from p, not its local shard (a DTensor param
         # gets DTensor state; a plain local tensor would be saved by DCP as if replicated)
         optimizer._sync_state_keys(group, p, optimizer._master_mode(group, p))

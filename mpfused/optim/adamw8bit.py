@@ -824,10 +824,9 @@ def _restore_8bit(optimizer):
             value = saved.get(key)
             if isinstance(value, torch.Tensor) and (value.dtype == torch.uint8 or "absmax" in key):
                 dtype = torch.uint8 if value.dtype == torch.uint8 else torch.float32
-                value = _local(value)
-                restored = value.to(device=local.device, dtype=dtype).contiguous()
-                # never alias the caller's tensors (e.g. a live optimizer's state_dict())
-                state[key] = restored.clone() if restored.data_ptr() == value.data_ptr() else restored
+                # a copy: never the caller's tensors (e.g. a live optimizer's state_dict())
+                state[key] = _local(value).to(device=local.device, dtype=dtype, copy=True,
+                                              memory_format=torch.contiguous_format)
         if "exp_avg" in state and state["exp_avg"].dtype != torch.uint8:
             state.pop("exp_avg_absmax", None)
             state.pop("exp_avg_sq_absmax", None)
