@@ -11,11 +11,12 @@ changes:
 * with an optimizer that unscales in its own kernel (``_step_supports_amp_scaling``, set by
   mpfused optimizers) ``step`` runs a read-only check pass (torch's writes every grad back) that
   also yields the grad norm when the optimizer asks for fused clipping (``max_grad_norm``);
-  no host sync on that path. For the optimizer's step it sets ``grad_scale``, ``found_inf``
-  (torch's protocol), ``grad_norm_sq`` and ``checked_group_grads`` (each group's ``p.grad``
-  list as the check read it, so the optimizer does not gather the grads again). With any other
-  optimizer ``step`` keeps torch's behaviour, which reads found_inf on the host (one sync per
-  step);
+  no host sync on that path. It sets ``grad_scale`` and ``found_inf`` (torch's protocol) and
+  ``grad_norm_sq`` for the optimizer's step. mpfused optimizers (``_checks_grads_in_step``) get
+  ``check_grads`` instead of a found_inf: their step calls it with the grads it steps with, once
+  its step pre-hooks have run, so a hook that replaces ``p.grad`` decides the update and its grads
+  are the ones checked. With any other optimizer ``step`` keeps torch's behaviour, which reads
+  found_inf on the host (one sync per step);
 * found_inf from several devices or optimizers is combined with MAX, never SUM, so it is 0 or 1;
 * ``update`` is one small device op; opt-in extras: ``hysteresis`` (back off only after N
   consecutive overflows, as DeepSpeed/Megatron), ``min_scale`` and ``max_scale``;
@@ -25,6 +26,7 @@ changes:
 """
 from __future__ import annotations
 
+import functools
 import math
 import operator
 from collections import defaultdict
@@ -186,6 +188,14 @@ class GradScaler(torch.amp.GradScaler):
                 t.copy_(combined)
 
     # ---- step / update ----------------------------------------------------------------------
+    # Under torch.compile the scaler's methods run eagerly, behind graph breaks, as torch's own
+    # GradScaler's do (torch.amp is on dynamo's skip list): they keep per-optimizer Python state
+    # across calls that a traced frame would only replay at its end.
+    @torch._dynamo.disable
+    def unscale_(self, optimizer) -> None:
+        return super().unscale_(optimizer)
+
+    @torch._dynamo.disable
     def step(self, optimizer, *args, **kwargs):
         if not self._enabled or not getattr(optimizer, "_step_supports_amp_scaling", False):
             return super().step(optimizer, *args, **kwargs)
@@ -197,29 +207,45 @@ class GradScaler(torch.amp.GradScaler):
             raise RuntimeError("step() has already been called since the last update().")
         if "grad_scaler" in _step_params(optimizer):
             return super().step(optimizer, *args, **kwargs)  # legacy protocol: torch's path
-        group_grads = None
-        if state["stage"] is OptState.READY:
-            group_grads = _group_grads(optimizer)
-            self._check_inf_per_device(optimizer, group_grads)
+        # mpfused optimizers run the check themselves, on the grads they step with, after their
+        # step pre-hooks (a hook may replace p.grad: gradient compression, projections).
+        deferred = (state["stage"] is OptState.READY
+                    and getattr(optimizer, "_checks_grads_in_step", False))
+        if state["stage"] is OptState.READY and not deferred:
+            self._check_inf_per_device(optimizer)
         scale = self._get_scale_async()
-        # No grads at all: torch's fused path steps with found_inf 0 (update() then raises).
-        found_inf = (_max_on(state["found_inf_per_device"].values(), scale.device)
-                     if state["found_inf_per_device"] else torch.zeros_like(scale))
         optimizer.grad_scale = (None if state["stage"] is OptState.UNSCALED
                                 else scale * getattr(optimizer, "grad_scale", 1))
-        optimizer.found_inf = found_inf
-        optimizer.grad_norm_sq = state.get("norm_sq")
-        # The grads the check just read (None when unscale_ ran earlier: they may have been
-        # replaced since): mpfused optimizers skip gathering them again (1.2 ms per 10,000 params).
-        optimizer.checked_group_grads = group_grads
+        if deferred:
+            optimizer.found_inf = optimizer.grad_norm_sq = None
+            optimizer.check_grads = functools.partial(self._check_for_step, optimizer)
+        else:
+            optimizer.found_inf = self._found_inf_for_step(optimizer, scale)
+            optimizer.grad_norm_sq = state.get("norm_sq")
+            optimizer.check_grads = None
         try:
             retval = optimizer.step(*args, **kwargs)
         finally:
             del (optimizer.grad_scale, optimizer.found_inf, optimizer.grad_norm_sq,
-                 optimizer.checked_group_grads)
+                 optimizer.check_grads)
         state["stage"] = OptState.STEPPED
         return retval
 
+    def _found_inf_for_step(self, optimizer, scale) -> torch.Tensor:
+        state = self._per_optimizer_states[id(optimizer)]
+        # No grads at all: torch's fused path steps with found_inf 0 (update() then raises).
+        return (_max_on(state["found_inf_per_device"].values(), scale.device)
+                if state["found_inf_per_device"] else torch.zeros_like(scale))
+
+    def _check_for_step(self, optimizer, group_grads: list) -> tuple:
+        """The check of the grads an optimizer steps with, called by its step once its pre-hooks
+        have run (``optimizer.check_grads``): (found_inf, norm_sq) on the scale's device, and
+        found_inf recorded for ``update``. group_grads: each group's ``p.grad`` list."""
+        self._check_inf_per_device(optimizer, group_grads)
+        state = self._per_optimizer_states[id(optimizer)]
+        return self._found_inf_for_step(optimizer, self._scale), state["norm_sq"]
+
+    @torch._dynamo.disable
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         if not self._enabled:
             return

@@ -14,7 +14,6 @@ encodes with: ``thr[i]`` is the largest float32 <= the exact midpoint of ``map[i
 """
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -55,14 +54,21 @@ def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7,
     return torch.tensor(data, dtype=torch.float32)
 
 
-@functools.lru_cache(maxsize=None)
+# Built at import (a few small torch ops), not on first use: a step traced by torch.compile
+# reads the maps, and create_dynamic_map's tolist() cannot be traced.
+_CPU_MAPS = {signed: create_dynamic_map(signed=signed) for signed in (True, False)}
+_MAPS: dict[tuple, torch.Tensor] = {}
+
+
 def _cpu_map(signed: bool) -> torch.Tensor:
-    return create_dynamic_map(signed=signed)
+    return _CPU_MAPS[signed]
 
 
-@functools.lru_cache(maxsize=None)
 def _on_device(signed: bool, device: torch.device) -> torch.Tensor:
-    return _cpu_map(signed).to(device)
+    qmap = _MAPS.get((signed, device))
+    if qmap is None:
+        qmap = _MAPS[(signed, device)] = _CPU_MAPS[signed].to(device)
+    return qmap
 
 
 def signed_map(device: torch.device | str = "cpu") -> torch.Tensor:

@@ -540,38 +540,77 @@ def test_graph_capture_step_update():
     assert torch.isfinite(p.float()).all()
 
 
-def test_step_hands_the_checked_grads_to_the_optimizer():
-    """scaler.step reads each group's grads once for its check and hands those lists to mpfused
-    optimizers, which step with them (no second gather); after unscale_ it hands none (grads may
-    have changed)."""
-    seen = []
+def _replace_grads_hook(make):
+    def hook(optimizer, args, kwargs):
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad = make(p.grad)
+    return hook
 
-    class Recording(mpfused.AdamW):
-        def step(self, closure=None):
-            handed = getattr(self, "checked_group_grads", None)
-            seen.append(handed)
-            if handed is not None:  # zero grads, fresh state: a step using them moves nothing
-                self.checked_group_grads = [[None if g is None else torch.zeros_like(g)
-                                             for g in gs] for gs in handed]
-            return super().step(closure)
 
+@pytest.mark.parametrize("scaler_cls", SCALERS, ids=IDS)
+@pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, mpfused.AdamW, mpfused.AdamW8bit],
+                         ids=["torch.AdamW", "mpfused.AdamW", "mpfused.AdamW8bit"])
+def test_step_pre_hook_grads_decide_the_update(scaler_cls, opt_cls):
+    """A step pre-hook that replaces p.grad (compression, projections) decides the update, as
+    with torch's scaler and optimizer: zeroed grads move nothing (weight_decay 0). With mpfused's
+    scaler and optimizer the grads the hook leaves are also the ones checked for inf/NaN (a hook
+    that writes inf skips the step and backs the scale off; one that replaces inf grads by finite
+    ones lets the step happen); torch checks (or unscales) before the hooks run."""
     model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
-    params = list(model.parameters())
-    before = [p.detach().clone() for p in params]
-    opt = Recording([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2, weight_decay=0.0)
-    scaler = mpfused.GradScaler("cpu", init_scale=4.0)
-    for unscale_first in (False, True):
-        scaler.scale(model(torch.randn(3, 6)).sum()).backward()
-        params[3].grad = None  # a param without a grad keeps its place as None
-        if unscale_first:
-            scaler.unscale_(opt)
+    opt = opt_cls(model.parameters(), lr=0.1, weight_decay=0.0)
+    scaler = scaler_cls("cpu", init_scale=4.0, growth_interval=1)
+    handle = opt.register_step_pre_hook(_replace_grads_hook(torch.zeros_like))
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(model(torch.randn(3, 6)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert scaler.get_scale() == 8.0  # a finite step: the scale grows
+    handle.remove()
+    if scaler_cls is torch.amp.GradScaler or opt_cls is torch.optim.AdamW:
+        return
+
+    # the hook's inf is seen: skipped, nothing moves, the scale backs off
+    handle = opt.register_step_pre_hook(_replace_grads_hook(
+        lambda g: torch.full_like(g, float("inf"))))
+    opt.zero_grad()
+    scaler.scale(model(torch.randn(3, 6)).sum()).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert scaler.get_scale() == 4.0
+    handle.remove()
+
+    # inf in the backward's grads, finite ones from the hook: the step happens
+    handle = opt.register_step_pre_hook(_replace_grads_hook(torch.ones_like))
+    opt.zero_grad()
+    scaler.scale(model(torch.randn(3, 6)).sum()).backward()
+    model[0].weight.grad.fill_(float("nan"))
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert not any(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert scaler.get_scale() == 8.0
+    handle.remove()
+    for attr in ("grad_scale", "found_inf", "grad_norm_sq", "check_grads"):
+        assert not hasattr(opt, attr)
+
+
+def test_step_pre_hook_grads_are_the_clipped_ones():
+    """With fused clipping the norm is taken over the grads the hook leaves: a hook that halves
+    the grads gives the same update as grads half as large from the backward."""
+    results = []
+    for halve_in_hook in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(6, 4)
+        opt = mpfused.AdamW(model.parameters(), lr=0.1, max_grad_norm=0.01)
+        if halve_in_hook:
+            opt.register_step_pre_hook(_replace_grads_hook(lambda g: g * 0.5))
+        scaler = mpfused.GradScaler("cpu", init_scale=4.0)
+        loss = model(torch.randn(3, 6)).sum()
+        scaler.scale(loss if halve_in_hook else loss * 0.5).backward()
         scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        if not unscale_first:
-            assert all(torch.equal(p, b) for p, b in zip(params, before))
-    assert not all(torch.equal(p, b) for p, b in zip(params[:3], before))  # real grads move them
-    handed, after_unscale = seen
-    assert after_unscale is None
-    assert [[g is None for g in gs] for gs in handed] == [[False, False], [False, True]]
-    assert not hasattr(opt, "checked_group_grads")
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results))

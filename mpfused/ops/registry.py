@@ -125,12 +125,36 @@ class Op:
         return chosen
 
     def __call__(self, *args, backend: str | None = None):
+        if torch.compiler.is_compiling():
+            return self._traced_call(args, backend)
         chosen = self.chosen(_first_device_type(args), backend)
         if chosen == "native":
             return self.overload(*args)
         if chosen == "triton":
             return self.triton(*args)
         return self.reference(*args)
+
+
+    def _traced_call(self, args, backend: str | None):
+        """Under ``torch.compile``: a native kernel goes into the graph as the dispatcher op (its
+        fake kernel traces it; no graph break, so ``fullgraph=True`` works), and runs as in eager.
+        Triton and the reference run eagerly behind a graph break: traced, their Python would be
+        re-fused by the compiler and round differently from the eager step."""
+        chosen = _chosen_when_traced(self.name, _first_device_type(args), backend)
+        if chosen == "native":
+            return self.overload(*args)
+        return _run_eagerly(self, chosen, args)
+
+
+@torch.compiler.assume_constant_result
+def _chosen_when_traced(name: str, device_type: str, backend: str | None) -> str:
+    # Asked at trace time and baked into the graph (the answer is a registration fact).
+    return OPS[name].chosen(device_type, backend)
+
+
+@torch._dynamo.disable
+def _run_eagerly(op: "Op", chosen: str, args):
+    return (op.triton if chosen == "triton" else op.reference)(*args)
 
 
 def _first_device_type(args) -> str:

@@ -30,6 +30,7 @@ from mpfused.ops.bound import BoundOp
 from mpfused.optim._args import check_impl_flags, check_mpfused_args, check_torch_args
 from mpfused.optim._buckets import GroupPlan, build_buckets
 from mpfused.optim._masters import master_from_remainder, restore_fp32_param, split_master
+from mpfused.optim._state_table import epoch as state_epoch, tracked
 
 __all__ = ["AdamW", "Adam", "MASTER_MODES"]
 
@@ -39,6 +40,7 @@ _STOCHASTIC = 3
 
 class AdamW(Optimizer):
     _step_supports_amp_scaling = True
+    _checks_grads_in_step = True  # mpfused.GradScaler hands it check_grads (see grad_scaler.py)
     _decoupled = True
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999),
@@ -67,7 +69,8 @@ class AdamW(Optimizer):
         self._backend = backend
         self._seed = int(seed)
         self._plans: dict[int, GroupPlan] = {}
-        self._planned_state = (None, -1)  # (self.state, its length) when the plans were built
+        self.state = tracked(self.state)  # writes to it are counted: see _state_table.py
+        self._planned_state = (None, -1)  # (self.state, state_epoch()) when the plans were built
         self._register_hooks()
 
     _one_device_per_group = True  # add_param_group refuses a group that spans devices
@@ -98,6 +101,7 @@ class AdamW(Optimizer):
         param dtype)."""
         self.register_load_state_dict_pre_hook(_stash_fp32_state)
         self.register_load_state_dict_post_hook(_restore_fp32_state)
+        self.register_state_dict_post_hook(_plain_dicts, prepend=True)
 
     def __getstate__(self):
         state = super().__getstate__()
@@ -109,6 +113,7 @@ class AdamW(Optimizer):
         for key, default in self._PICKLED.items():
             self.__dict__.setdefault(key, copy.copy(default))  # pickled before these were kept
         self._plans = {}
+        self.state = tracked(self.state)  # also after torch's load_state_dict (a new defaultdict)
         self._planned_state = (None, -1)
         for group in self.param_groups:
             group.setdefault("amsgrad", False)
@@ -181,19 +186,46 @@ class AdamW(Optimizer):
         for key in ("exp_avg", "exp_avg_sq"):
             state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 
-    def _plan(self, index: int, group, grads) -> GroupPlan:
+    def _adopt_written_state(self, p) -> None:
+        """p's state in the form the kernels take, after writes since the plans were made (as
+        load_state_dict brings a saved state): ``step`` a 0-d fp32 tensor and floating
+        per-element entries fp32, on the param's device (``torch.zeros_like(p)`` of a bf16 param
+        is bf16); an entry of another shape is an error that names it."""
+        state, local = self.state[p], _local(p)
+        step = state.get("step")
+        if step is not None and not (isinstance(step, torch.Tensor) and step.dim() == 0
+                                     and step.dtype == torch.float32
+                                     and step.device == local.device):
+            state["step"] = torch.as_tensor(step).to(device=local.device,
+                                                     dtype=torch.float32).reshape(())
+        for key in PER_ELEMENT_KEYS:
+            value = state.get(key)
+            if not isinstance(value, torch.Tensor):
+                continue
+            if _local(value).shape != local.shape:
+                raise ValueError(
+                    f"mpfused.{type(self).__name__}: state[p][{key!r}] has shape "
+                    f"{tuple(_local(value).shape)} but its param has shape {tuple(local.shape)}; "
+                    "per-element state must have the param's shape")
+            if value.is_floating_point() and (value.dtype != torch.float32
+                                              or _local(value).device != local.device):
+                state[key] = value.to(device=local.device, dtype=torch.float32)
+
+    def _plan(self, index: int, group, grads, cache: bool = True) -> GroupPlan:
         params = group["params"]
         extra = (group["amsgrad"], group["master_weights"])
-        plan = self._plans.get(index)
+        plan = self._plans.get(index) if cache else None
         if plan is not None and plan.matches(params, grads, extra):
             return plan
         buckets = build_buckets(params, grads)
         for b in buckets:
             for p in b.params:
                 self._init_state(group, p)
+                self._adopt_written_state(p)
             self._fill_bucket(group, b)
         plan = GroupPlan.of(params, grads, extra, buckets)
-        self._plans[index] = plan
+        if cache:
+            self._plans[index] = plan
         return plan
 
     def _sync_state_keys(self, group, p, mode: int) -> None:
@@ -256,15 +288,28 @@ class AdamW(Optimizer):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         norm_sq = getattr(self, "grad_norm_sq", None)
-        all_grads = (getattr(self, "checked_group_grads", None)  # set by mpfused.GradScaler
-                     or [[p.grad for p in g["params"]] for g in self.param_groups])
-        # The plans hold the state tensors: a state cleared, replaced or with params deleted
-        # (a reset) makes new plans, and new state where it is missing.
-        if self._planned_state[0] is not self.state or self._planned_state[1] != len(self.state):
-            self._plans = {}
-        plans = [self._plan(index, group, all_grads[index])
-                 for index, group in enumerate(self.param_groups)]
-        self._planned_state = (self.state, len(self.state))
+        # The grads as the step pre-hooks left them; mpfused.GradScaler checks these ones.
+        all_grads = [[p.grad for p in g["params"]] for g in self.param_groups]
+        check_grads = getattr(self, "check_grads", None)
+        if check_grads is not None:
+            found_inf, norm_sq = check_grads(all_grads)
+        # The plans hold the state tensors. torch re-reads the state every step: a write to it
+        # since the plans were made (a param's state or entry replaced or deleted, the table
+        # cleared or replaced) makes new plans that read it again, and new state where missing.
+        if torch.compiler.is_compiling():
+            # Traced: no cached plans; dynamo guards on what the trace reads (as for torch's
+            # compiled optimizers), and an eager step after compiled ones makes new plans.
+            plans = [self._plan(index, group, all_grads[index], cache=False)
+                     for index, group in enumerate(self.param_groups)]
+            self._planned_state = (None, -1)
+        else:
+            if (self._planned_state[0] is not self.state
+                    or self._planned_state[1] != state_epoch()):
+                self.state = tracked(self.state)
+                self._plans = {}
+            plans = [self._plan(index, group, all_grads[index])
+                     for index, group in enumerate(self.param_groups)]
+            self._planned_state = (self.state, state_epoch())
         if self.max_grad_norm and norm_sq is None:
             devices = {b.state["local_params"][0].device for plan in plans for b in plan.buckets}
             norm_sq, found_inf = self._own_norm(all_grads, grad_scale, found_inf,
@@ -324,6 +369,14 @@ def _hyper(group, device) -> tuple:
     tensor_lr = isinstance(lr, torch.Tensor)
     return (0.0 if tensor_lr else float(lr), copy_to(lr, device) if tensor_lr else None,
             float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
+
+
+def _plain_dicts(optimizer, state_dict):
+    """A state_dict holds plain dicts, not the tracked ones of optimizer.state: checkpoints never
+    name an mpfused class (weights_only loads, other libraries)."""
+    state_dict["state"] = {k: dict(v) if isinstance(v, dict) else v
+                           for k, v in state_dict["state"].items()}
+    return state_dict
 
 
 def _is_own_hook(hook) -> bool:

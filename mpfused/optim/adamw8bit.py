@@ -316,6 +316,21 @@ class AdamW8bit(AdamW):
                 state["exp_avg_sq"], state.pop("exp_avg_sq_absmax"), unsigned_map(local.device),
                 block)
 
+    def _adopt_written_state(self, p) -> None:
+        """AdamW's, and moments written as floats over 8-bit state (a reset of one or both): a
+        moment still in codes is dequantized and the absmax go, so _sync_form sees one form."""
+        state = self.state[p]
+        floats = [k for k in ("exp_avg", "exp_avg_sq")
+                  if isinstance(state.get(k), torch.Tensor) and state[k].is_floating_point()]
+        if floats and "exp_avg_absmax" in state:
+            block = _state_block_size(state, _local(p).numel(), 256)
+            for key, qmap in (("exp_avg", signed_map), ("exp_avg_sq", unsigned_map)):
+                absmax = state.pop(f"{key}_absmax", None)
+                if key not in floats and absmax is not None:
+                    state[key] = dequantize_blockwise(state[key], absmax, qmap(_local(p).device),
+                                                      block)
+        super()._adopt_written_state(p)
+
     def _sync_form(self, group, p, want_8bit: bool) -> None:
         """Bring p's state to the form its group wants: 8-bit or fp32, and 8-bit in blocks of the
         group's block_size (after a change of it: dequantize with the old blocks, re-quantize)."""
@@ -331,11 +346,11 @@ class AdamW8bit(AdamW):
             self._convert_state(group, p, to_8bit=True)
 
     # ---- kernel plan: 8-bit and fp32-state params in separate buckets ---------------------------
-    def _plan(self, index: int, group, grads) -> GroupPlan:
+    def _plan(self, index: int, group, grads, cache: bool = True) -> GroupPlan:
         params = group["params"]
         extra = (group["master_weights"], group["optim_bits"], group["block_size"],
                  group["min_8bit_size"], _overrides_epoch())
-        plan = self._plans.get(index)
+        plan = self._plans.get(index) if cache else None
         if plan is not None and plan.matches(params, grads, extra):
             return plan
         try:  # settings may have been changed in the group since add_param_group
@@ -349,6 +364,7 @@ class AdamW8bit(AdamW):
             for i, p in zip(b.indices, b.params):
                 want = self._wants_8bit(group, p, kept)
                 self._init_state(group, p, want)
+                self._adopt_written_state(p)
                 self._sync_form(group, p, want)
                 sub = split.setdefault(want, Bucket(indices=[], params=[]))
                 sub.indices.append(i)
@@ -360,7 +376,8 @@ class AdamW8bit(AdamW):
                 self._fill_bucket(group, sub, want)
                 buckets.append(sub)
         plan = GroupPlan.of(params, grads, extra, buckets)
-        self._plans[index] = plan
+        if cache:
+            self._plans[index] = plan
         return plan
 
     def _fill_bucket(self, group, b: Bucket, eight: bool = False) -> None:
