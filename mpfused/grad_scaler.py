@@ -18,8 +18,12 @@ changes:
   are the ones checked. With any other optimizer ``step`` keeps torch's behaviour, which reads
   found_inf on the host (one sync per step);
 * found_inf from several devices or optimizers is combined with MAX, never SUM, so it is 0 or 1;
-* ``update`` is one small device op; opt-in extras: ``hysteresis`` (back off only after N
-  consecutive overflows, as DeepSpeed/Megatron), ``min_scale`` and ``max_scale``;
+* ``update`` is one small device op; opt-in extras: ``hysteresis=N`` (Megatron's and
+  DeepSpeed's rule: each overflow spends one unit of a budget of N and the scale backs off once
+  the budget is spent, then at every overflow until the budget refills, which it does only when
+  the scale grows; so N overflows since the last growth back off, consecutive or not),
+  ``consecutive_hysteresis=True`` (DeepSpeed's option: every step without overflow refills the
+  budget, so only N overflows in a row back off), ``min_scale`` and ``max_scale``;
 * with ``process_group=`` (or DTensor grads: FSDP2, over every dim of their mesh) found_inf is
   all-reduced with MAX so every rank skips together; the clipping norm of DTensor grads is
   SUM-reduced over the ranks that shard them (``mpfused.distributed``).
@@ -43,16 +47,21 @@ __all__ = ["GradScaler", "OptState"]
 
 
 class GradScaler(torch.amp.GradScaler):
+    _consecutive_hysteresis = False  # scalers pickled before the option existed
     def __init__(self, device: str = "cuda", init_scale: float = 2.0**16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,
                  growth_interval: int = 2000, enabled: bool = True, *, hysteresis: int = 1,
-                 min_scale: float | None = None, max_scale: float | None = None,
-                 process_group=None, backend: str | None = None) -> None:
+                 consecutive_hysteresis: bool = False, min_scale: float | None = None,
+                 max_scale: float | None = None, process_group=None,
+                 backend: str | None = None) -> None:
         super().__init__(device, init_scale=init_scale, growth_factor=growth_factor,
                          backoff_factor=backoff_factor, growth_interval=growth_interval,
                          enabled=enabled)
         if not isinstance(hysteresis, int) or hysteresis < 1:
             raise ValueError(f"hysteresis must be an int >= 1 (1 = off), got {hysteresis!r}")
+        if not isinstance(consecutive_hysteresis, bool):
+            raise ValueError("consecutive_hysteresis must be a bool, got "
+                             f"{consecutive_hysteresis!r}")
         if min_scale is not None and not (min_scale > 0 and math.isfinite(min_scale)):
             raise ValueError(f"min_scale must be a finite number > 0, got {min_scale!r}")
         if max_scale is not None and not max_scale > 0:
@@ -60,6 +69,7 @@ class GradScaler(torch.amp.GradScaler):
         if min_scale is not None and max_scale is not None and min_scale > max_scale:
             raise ValueError(f"min_scale ({min_scale}) must be <= max_scale ({max_scale})")
         self._hysteresis = hysteresis
+        self._consecutive_hysteresis = consecutive_hysteresis
         self._min_scale = min_scale
         self._max_scale = max_scale
         self._init_hysteresis_tracker = hysteresis
@@ -261,18 +271,20 @@ class GradScaler(torch.amp.GradScaler):
             float(self._growth_factor), float(self._backoff_factor), int(self._growth_interval),
             int(self._hysteresis), float(self._min_scale or 0.0),
             float(self._max_scale if self._max_scale is not None else math.inf),
-            backend=self._backend)
+            bool(self._consecutive_hysteresis), backend=self._backend)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     # ---- extras in checkpoints (only when used: defaults give torch's exact 5 keys) ---------
     def _extras_used(self) -> bool:
-        return self._hysteresis != 1 or self._min_scale is not None or self._max_scale is not None
+        return (self._hysteresis != 1 or self._consecutive_hysteresis
+                or self._min_scale is not None or self._max_scale is not None)
 
     def state_dict(self):
         sd = super().state_dict()
         if self._enabled and self._extras_used():
-            sd.update(hysteresis=self._hysteresis, min_scale=self._min_scale,
-                      max_scale=self._max_scale,
+            sd.update(hysteresis=self._hysteresis,
+                      consecutive_hysteresis=self._consecutive_hysteresis,
+                      min_scale=self._min_scale, max_scale=self._max_scale,
                       _hysteresis_tracker=(self._init_hysteresis_tracker
                                            if self._hysteresis_tracker is None
                                            else int(self._hysteresis_tracker.item())))
@@ -282,6 +294,8 @@ class GradScaler(torch.amp.GradScaler):
         super().load_state_dict(state_dict)
         if "hysteresis" in state_dict:
             self._hysteresis = int(state_dict["hysteresis"])
+            # absent from checkpoints written before the option existed: Megatron's rule
+            self._consecutive_hysteresis = bool(state_dict.get("consecutive_hysteresis", False))
             self._min_scale = state_dict.get("min_scale")
             self._max_scale = state_dict.get("max_scale")
         tracker = int(state_dict.get("_hysteresis_tracker", self._hysteresis))
@@ -300,6 +314,9 @@ class GradScaler(torch.amp.GradScaler):
     # getters/setters for the extras, in the style of torch's
     def get_hysteresis(self) -> int:
         return self._hysteresis
+
+    def get_consecutive_hysteresis(self) -> bool:
+        return self._consecutive_hysteresis
 
     def get_min_scale(self) -> float | None:
         return self._min_scale

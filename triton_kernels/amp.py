@@ -74,7 +74,7 @@ def check_grads(grads, found_inf, inv_scale, norm_sq=None, norm_sq_per_tensor=No
 
 @triton.jit(do_not_specialize=["growth_bits", "backoff_bits"])
 def _update_scale_kernel(scale_ptr, growth_ptr, hyst_ptr, found_ptr, growth_bits, backoff_bits,
-                         growth_interval, hysteresis, min_scale, max_scale):
+                         growth_interval, hysteresis, min_scale, max_scale, consecutive):
     # Single program; the rule of csrc/include/mpfused/amp_math.h::update_scale.
     scale = tl.load(scale_ptr)
     g = tl.load(growth_ptr)
@@ -92,6 +92,8 @@ def _update_scale_kernel(scale_ptr, growth_ptr, hyst_ptr, found_ptr, growth_bits
         tl.store(growth_ptr, 0)
         tl.store(hyst_ptr, h2)
     else:
+        if consecutive:
+            tl.store(hyst_ptr, hysteresis)
         if g + 1 == growth_interval:
             grown = (scale.to(tl.float64) * f64_from_bits(growth_bits)).to(tl.float32)
             if not is_nonfinite(grown):
@@ -104,9 +106,10 @@ def _update_scale_kernel(scale_ptr, growth_ptr, hyst_ptr, found_ptr, growth_bits
 
 @on_tensors_device
 def update_scale_(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
-                  backoff_factor, growth_interval, hysteresis, min_scale, max_scale):
+                  backoff_factor, growth_interval, hysteresis, min_scale, max_scale,
+                  consecutive_hysteresis=False):
     _update_scale_kernel[(1,)](scale, growth_tracker, hysteresis_tracker, found_inf,
                                f64_bits(growth_factor), f64_bits(backoff_factor),
                                int(growth_interval), int(hysteresis), float(min_scale),
-                               float(max_scale),
+                               float(max_scale), int(bool(consecutive_hysteresis)),
                                enable_fp_fusion=False)

@@ -39,12 +39,14 @@ void check_grads_cpu(at::TensorList grads, const at::Tensor& found_inf,
 void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
                       const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
                       double growth_factor, double backoff_factor, int64_t growth_interval,
-                      int64_t hysteresis, double min_scale, double max_scale) {
+                      int64_t hysteresis, double min_scale, double max_scale,
+                      bool consecutive_hysteresis) {
   check_update_scale_args(scale, growth_tracker, hysteresis_tracker, found_inf);
   update_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
                hysteresis_tracker.data_ptr<int32_t>(), found_inf.item<float>(),
                ScaleUpdateParams{growth_factor, backoff_factor, growth_interval,
-                                 int32_t(hysteresis), float(min_scale), float(max_scale)});
+                                 int32_t(hysteresis), float(min_scale), float(max_scale),
+                                 consecutive_hysteresis});
 }
 
 }  // namespace

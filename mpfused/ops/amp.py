@@ -22,7 +22,7 @@ check_grads = define_op(
 update_scale_ = define_op(
     "update_scale_(Tensor(a!) scale, Tensor(b!) growth_tracker, Tensor(c!) hysteresis_tracker, "
     "Tensor found_inf, float growth_factor, float backoff_factor, int growth_interval, "
-    "int hysteresis, float min_scale, float max_scale) -> ()",
+    "int hysteresis, float min_scale, float max_scale, bool consecutive_hysteresis=False) -> ()",
     reference=ref.update_scale_,
     triton="mpfused.triton_kernels.amp:update_scale_",
 )

@@ -40,7 +40,8 @@ def check_grads(grads, found_inf, inv_scale, norm_sq=None, norm_sq_per_tensor=No
 
 
 def update_scale_(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
-                  backoff_factor, growth_interval, hysteresis, min_scale, max_scale):
+                  backoff_factor, growth_interval, hysteresis, min_scale, max_scale,
+                  consecutive_hysteresis=False):
     """The rule of csrc/include/mpfused/amp_math.h, on host scalars (syncs: reference only)."""
     s, g, h = float(scale.item()), int(growth_tracker.item()), int(hysteresis_tracker.item())
     f32 = lambda x: torch.tensor(x, dtype=torch.float32).item()  # noqa: E731
@@ -54,6 +55,8 @@ def update_scale_(scale, growth_tracker, hysteresis_tracker, found_inf, growth_f
             h = max(h, 0)
         h = hysteresis if hysteresis <= 1 else h
     else:
+        if consecutive_hysteresis:
+            h = hysteresis
         if g + 1 == growth_interval:
             grown = f32(s * growth_factor)
             if math.isfinite(grown):

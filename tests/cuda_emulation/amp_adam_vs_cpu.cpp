@@ -144,6 +144,7 @@ size_t run_update_scale(uint64_t seed) {
   for (int rep = 0; rep < 200; ++rep) {
     ScaleUpdateParams p{rep % 5 == 0 ? 1e38 : 2.0, 0.5, int64_t(1 + rng() % 4), int32_t(1 + rng() % 3),
                         rep % 4 == 0 ? 64.f : 0.f, rep % 6 == 0 ? 4096.f : INFINITY};
+    p.consecutive_hysteresis = rep % 3 == 0;
     float scale = float(1 << (rng() % 20)), found = founds[rng() % 5];
     int32_t growth = int32_t(rng() % 5), hyst = int32_t(rng() % 4);
     float s2 = scale;
