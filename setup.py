@@ -16,6 +16,7 @@ so the torch already installed is the one built against.
 import glob
 import json
 import os
+import re
 import sys
 
 from setuptools import setup
@@ -35,6 +36,17 @@ def _sources(pattern):
     return sorted(glob.glob(os.path.join("csrc", pattern)))
 
 
+def _cxx_std(torch_include: str) -> str:
+    # ATen.h states the standard it needs (`__cplusplus < 202002L` since torch 2.14); an explicit
+    # -std is kept by cpp_extension, so it must follow torch's
+    try:
+        with open(os.path.join(torch_include, "ATen", "ATen.h")) as f:
+            m = re.search(r"__cplusplus < (\d+)L", f.read())
+    except OSError:
+        m = None
+    return "-std=c++20" if m and int(m.group(1)) >= 202002 else "-std=c++17"
+
+
 def _extensions():
     if NO_EXT:
         return [], {}
@@ -47,6 +59,15 @@ def _extensions():
         sys.exit("MPFUSED_CUDA=1 but torch has no CUDA (torch.version.cuda is None) or no CUDA "
                  "toolkit was found (set CUDA_HOME)")
     use_cuda = want_cuda and has_toolkit
+    if use_cuda and not os.path.isfile(os.path.join(ce.CUDA_HOME, "include", "cuda_runtime.h")):
+        # torch guesses CUDA_HOME from `which nvcc`; a wrapper script on PATH (/usr/local/bin/nvcc)
+        # makes that /usr/local, which has no CUDA headers
+        msg = (f"CUDA_HOME={ce.CUDA_HOME} has no include/cuda_runtime.h: set CUDA_HOME to the "
+               "toolkit (e.g. /usr/local/cuda)")
+        if CUDA_MODE == "1":
+            sys.exit(msg)
+        print(f"mpfused: {msg}; building without CUDA kernels", file=sys.stderr)
+        use_cuda = False
     # SASS for A100 and H100, PTX of sm_90 for newer GPUs (JIT); older GPUs get the Triton kernels
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
     archs = os.environ["TORCH_CUDA_ARCH_LIST"] if use_cuda else ""
@@ -56,7 +77,8 @@ def _extensions():
     define = [("Py_LIMITED_API", "0x03090000"), ("MPFUSED_WITH_CUDA", "1" if use_cuda else "0"),
               ("MPFUSED_CUDA_ARCHS", f'"{archs}"')]
     # no FMA contraction: the AVX-512/AVX2/baseline clones, CUDA and Triton round identically
-    cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-std=c++17"]
+    cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off",
+           _cxx_std(ce.include_paths()[0])]
     args = dict(include_dirs=[os.path.join(ROOT, "csrc", "include")], define_macros=define,
                 py_limited_api=True)
     if use_cuda:
