@@ -37,3 +37,12 @@ def _fresh_seed(request):
     torch.manual_seed(seed)
     request.node.user_properties.append(("seed", seed))
     yield
+
+
+def pytest_collection_finish(session):
+    # torch.testing._internal.common_utils (imported by the tests that read torch's optim_db)
+    # freezes torch.backends' flags on import (disable_global_flags, for torch's own suite);
+    # mpfused.amp.setup(tf32=True) sets them as a user's process may, so unfreeze them.
+    import torch.backends as backends
+    if backends.flags_frozen():  # the flag lives in the functions' module dict (torch wraps it)
+        backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
