@@ -48,10 +48,20 @@ if ! nice -n 10 "$py" -m pip install -v --no-build-isolation --no-deps -e . >"$l
 fi
 so=$(ls mpfused/_C*.so)
 note "build OK in $((SECONDS - t1)) s: $so, $(du -h "$so" | cut -f1)"
-# every library resolves, and the CUDA ones are really linked (not a CPU-only build)
-if ldd "$so" | grep -q "not found"; then note "LINK: unresolved libraries"; ldd "$so"; exit 1; fi
-ldd "$so" | grep -q libc10_cuda || { note "LINK: libc10_cuda not linked: CPU-only build?"; exit 1; }
-note "device code: $(cuobjdump --list-elf "$so" 2>/dev/null | grep -o 'sm_[0-9]*' | sort | uniq -c | tr -s ' \n' ' ')/ PTX: $(cuobjdump --list-ptx "$so" 2>/dev/null | grep -o 'sm_[0-9]*' | sort -u | tr '\n' ' ')"
+# every library resolves once torch's own are on the path (import torch loads them first; the
+# extension carries no rpath to them), and the CUDA ones are really linked (not a CPU-only build)
+tlib=$("$py" -c 'import os, torch; print(os.path.join(os.path.dirname(torch.__file__), "lib"))' 2>/dev/null)
+LD_LIBRARY_PATH="$tlib:${LD_LIBRARY_PATH:-}" ldd "$so" >"$log/ldd.txt"
+if grep -q "not found" "$log/ldd.txt"; then note "LINK: unresolved libraries"; cat "$log/ldd.txt"; exit 1; fi
+grep -q libc10_cuda "$log/ldd.txt" || { note "LINK: libc10_cuda not linked: CPU-only build?"; exit 1; }
+fatbin=$(readelf -SW "$so" | sed 's/\[ */[/' | awk '$2 == ".nv_fatbin" {print "0x" $6}')
+[ -n "$fatbin" ] || { note "no .nv_fatbin section: no device code"; exit 1; }
+if command -v cuobjdump >/dev/null; then  # not in every toolkit install (not here)
+  archs=$(cuobjdump --list-elf "$so" | grep -o 'sm_[0-9]*' | sort | uniq -c | tr -s ' \n' ' ')
+else
+  archs="(cuobjdump not installed)"
+fi
+note "linked: $(grep -o 'lib[a-z0-9_]*cuda[a-z0-9_]*\.so[.0-9]*' "$log/ldd.txt" | sort -u | tr '\n' ' '); device code (.nv_fatbin) $((fatbin / 1024)) KiB $archs"
 
 # 4. import and report (torch.cuda.is_available() is False here; the extension must load anyway)
 "$py" -m mpfused.info >"$log/info.log" 2>&1 || { note "mpfused.info FAILED"; cat "$log/info.log"; exit 1; }

@@ -1,60 +1,243 @@
 #!/usr/bin/env bash
-# GPU verification: build for the local architecture, run the whole test suite on CUDA (native
-# CUDA, compiled Triton, reference), compute-sanitizer on a small driver of every CUDA kernel, the
-# micro-benchmarks and the main job. Logs and JSON go to $1 or $OUT.
-#   usage: bash benchmarks/gpu_suite.sh [OUT_DIR] [all|verify|bench]   (peer wheels in .whl/)
-# The per-step timeouts add up to more than one 10-minute device call: a lent machine that goes
-# back after 30 s idle is best used in two calls, `verify` (build, tests, sanitizer) and `bench`
-# (build, micro-benchmarks, main job); each builds, since the second call may get a fresh machine.
+# The GPU run plan. One phase per device call (each call may get a fresh machine, so each builds
+# first; a warm machine with this tree already built skips the build):
+#   verify    build, per-kernel smoke (one PASS/FAIL line per op x backend x dtype x mode, each op
+#             family in its own process), the CUDA test files, then the rest of the suite
+#   sanitize  build, compute-sanitizer memcheck / racecheck / synccheck / initcheck over
+#             benchmarks/sanitizer_driver.py with the caching allocator off
+#   roofline  build, benchmarks/roofline.py (kernels at 2^28 vs a same-bytes copy, the
+#             10,000-tensor step), ncu counters per kernel when ncu is there
+#   bench     build, peer wheels from .whl/, the micro-benchmarks and the main job
+#
+#   usage: [MPFUSED_COMMIT=<sha>] bash benchmarks/gpu_suite.sh [--dry-run] OUT PHASE
+#          bash benchmarks/gpu_suite.sh --plan          (each phase's steps and time caps)
+#          bash benchmarks/gpu_suite.sh --dry-run OUT all   (every step of every phase, on CPU)
+# Everything is written under OUT/run-PHASE; on exit (also on SIGINT/SIGTERM) it becomes
+# OUT/mpfused-gpu-PHASE-<commit>.tgz plus OUT/summary-PHASE.txt: two files, under the device's
+# 8. Each step runs under `timeout -s INT` (pytest then still prints its summary and writes its
+# junit XML) with a cap clipped to what is left of GPU_SUITE_BUDGET (560 s: a call has 600).
+# The commit: MPFUSED_COMMIT, else benchmarks/.commit (python -m benchmarks.provenance write,
+# run here before the call; the device's copy of the tree has no .git). Every log starts with it,
+# every JSON and CSV is stamped with it, and the archive is named after it.
+# --dry-run: the same control flow on CPU with the heavy steps shrunk (CI's stand-in, run by
+# tests/test_gpu_plan.py): no build, CPU devices, tiny sizes, no compute-sanitizer or ncu.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:-${OUT:-gpu_out}}
-phase=${2:-all}
-case "$phase" in all|verify|bench) ;; *) echo "phase must be all, verify or bench" >&2; exit 2;; esac
-mkdir -p "$out"
-export PYTHONUNBUFFERED=1 MPFUSED_TEST_TRITON_COMPILED=1
-step() { echo "== $1 ($(date +%T))" | tee -a "$out/summary.log"; }
 
-if compgen -G ".whl/*.whl" >/dev/null; then
-  step "peer wheels"
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-step "environment"
-{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv; python3 -c "import torch,triton;print('torch',torch.__version__,'cuda',torch.version.cuda,'triton',triton.__version__)"; git rev-parse HEAD 2>/dev/null; } | tee "$out/env.log"
-cap=$(python3 -c "import torch;print('%d.%d'%torch.cuda.get_device_capability())")
-
-step "build (sm $cap)"
-TORCH_CUDA_ARCH_LIST="$cap" MPFUSED_CUDA=1 MAX_JOBS=16 python3 -m pip install -q --no-build-isolation -e . >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 1; }
-python3 -m mpfused.info | tee "$out/info.log"
-
-if [ "$phase" != bench ]; then
-step "tests on CUDA"
-# The host emulation of the CUDA kernels (test_cuda_emulation.py) and the ahead-of-time Triton
-# compile (test_triton_compile.py) are CI's stand-ins for this machine: skipped here to keep the
-# 10-minute call for the real GPU.
-timeout 300 python3 -m pytest -q -rfE --durations=15 -p no:cacheprovider \
-  --ignore=tests/test_cuda_emulation.py --ignore=tests/test_triton_compile.py tests >"$out/tests.log" 2>&1; echo "pytest rc=$?" | tee -a "$out/summary.log"
-tail -5 "$out/tests.log" | tee -a "$out/summary.log"
-
-for tool in memcheck racecheck; do
-  step "compute-sanitizer $tool"
-  timeout 180 compute-sanitizer --tool $tool --error-exitcode 9 python3 benchmarks/sanitizer_driver.py >"$out/sanitizer_$tool.log" 2>&1
-  echo "$tool rc=$?" | tee -a "$out/summary.log"; tail -3 "$out/sanitizer_$tool.log" | tee -a "$out/summary.log"
+declare -A CAP=([env]=20 [build]=180
+  [smoke]=60 [tests_cuda]=190 [tests_rest]=90
+  [memcheck]=130 [racecheck]=90 [synccheck]=60 [initcheck]=60
+  [roofline]=120 [ncu]=200
+  [wheels]=20 [bench_scaler]=60 [bench_adamw]=70 [bench_8bit]=70 [main_job]=120)
+declare -A PLAN=([verify]="env build smoke tests_cuda tests_rest"
+  [sanitize]="env build memcheck racecheck synccheck initcheck"
+  [roofline]="env build roofline ncu"
+  [bench]="env build wheels bench_scaler bench_adamw bench_8bit main_job")
+for k in "${!CAP[@]}"; do  # GPU_SUITE_CAP_<step>=S overrides one cap (the dry-run test shortens some)
+  v=GPU_SUITE_CAP_$k; [ -n "${!v:-}" ] && CAP[$k]=${!v}
 done
+BUDGET=${GPU_SUITE_BUDGET:-560}
+RESERVE=15  # seconds kept for stamping and the archive
 
+if [ "${1:-}" = --plan ]; then
+  for ph in verify sanitize roofline bench; do
+    tot=$RESERVE; line=""
+    for s in ${PLAN[$ph]}; do tot=$((tot + CAP[$s])); line+=" $s:${CAP[$s]}"; done
+    echo "$ph total=$tot budget=$BUDGET reserve=$RESERVE$line"
+  done
+  exit 0
+fi
+dry=0
+[ "${1:-}" = --dry-run ] && { dry=1; shift; }
+[ $# -eq 2 ] || { echo "usage: bash benchmarks/gpu_suite.sh [--dry-run] OUT verify|sanitize|roofline|bench" >&2; exit 2; }
+phase=$2
+# `all` (every step once, one build) is for the dry run: on a GPU it cannot fit one call
+[ $dry = 1 ] && PLAN[all]="env build smoke tests_cuda tests_rest memcheck racecheck synccheck initcheck roofline ncu wheels bench_scaler bench_adamw bench_8bit main_job"
+[ -n "${PLAN[$phase]:-}" ] || { echo "phase must be one of: ${!PLAN[*]}" >&2; exit 2; }
+t_start=$(date +%s)
+mkdir -p "$1" && out=$(cd "$1" && pwd)
+run=$out/run-$phase
+rm -rf "$run" && mkdir -p "$run"
+touch "$run/.started"  # results newer than this were written by this run
+export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+prov=$(python3 -m benchmarks.provenance show 2>&1 | tail -1)
+[[ $prov == commit\ * ]] || prov="commit unknown (provenance: $prov)"
+sha=$(awk '{print substr($2, 1, 12)}' <<<"$prov")
+summary=$run/summary.txt
+echo "mpfused GPU suite, phase $phase$([ $dry = 1 ] && echo ' (DRY RUN on CPU)'), $(date -u +%FT%TZ)" >"$summary"
+echo "$prov" >>"$summary"
+failed=0
+
+finish() {
+  trap - EXIT INT TERM
+  mkdir -p "$run/results"
+  # only what this run wrote: the repo's results/ also holds older (CPU) files
+  find benchmarks/results -maxdepth 1 -type f -newer "$run/.started" -exec cp {} "$run/results/" \; 2>/dev/null
+  python3 -m benchmarks.provenance stamp "$run" "$prov" >>"$summary" 2>&1
+  echo "phase $phase: $([ $failed = 0 ] && echo 'all steps passed' || echo "$failed step(s) FAILED") in $(( $(date +%s) - t_start )) s" >>"$summary"
+  rm -f "$run/.started"
+  cp "$summary" "$out/summary-$phase.txt"
+  tar czf "$out/mpfused-gpu-$phase-$sha.tgz" -C "$out" "run-$phase" && rm -rf "$run"
+  cat "$out/summary-$phase.txt"
+}
+trap finish EXIT
+trap 'echo "interrupted" >>"$summary"; exit 130' INT TERM
+
+# step NAME LOG CMD...: CMD under `timeout -s INT` with the step's cap, clipped to the budget left;
+# the log starts with the provenance line; one line per step in the summary
+step() {
+  local name=$1 logf=$run/$2 cap=${CAP[$1]}; shift 2
+  local left=$(( BUDGET - RESERVE - ($(date +%s) - t_start) ))
+  (( cap > left )) && cap=$left
+  if (( cap < 5 )); then
+    printf '%-7s %-13s no time left in the budget\n' SKIP "$name" | tee -a "$summary"; failed=$((failed + 1)); return 1
+  fi
+  echo "# $prov | $name | $(date -u +%FT%TZ) | cap ${cap}s | $*" >"$logf"
+  local t0=$SECONDS rc
+  # GPU_SUITE_STUB=step,...: the dry-run test replaces some slow steps by a no-op
+  [[ $dry = 1 && ,${GPU_SUITE_STUB:-}, == *,$name,* ]] && set -- echo "stub: $name not run"
+  if [ "$(type -t "$1")" = function ]; then  # timeout runs programs: a function goes through bash
+    timeout -s INT -k 15 "$cap" bash -c '"$@"' _ "$@" >>"$logf" 2>&1
+  else
+    timeout -s INT -k 15 "$cap" "$@" >>"$logf" 2>&1
+  fi
+  rc=$?
+  local v=PASS; (( rc )) && v=FAIL; (( rc == 124 || rc == 137 )) && v=TIMEOUT
+  (( rc )) && failed=$((failed + 1))
+  printf '%-7s %-13s rc=%-3s %4ss  %s\n' "$v" "$name" "$rc" $((SECONDS - t0)) "$(basename "$logf")" | tee -a "$summary"
+  return $rc
+}
+
+if [ $dry = 1 ]; then
+  dev=cpu; smoke_backends=native; san_backends=native
+else
+  dev=cuda; smoke_backends=native,triton; san_backends=native,triton
+  export MPFUSED_TEST_TRITON_COMPILED=1  # the suite's Triton tests compile for the GPU
+  [ -n "${CUDA_HOME:-}" ] || { [ -f /usr/local/cuda/include/cuda_runtime.h ] && export CUDA_HOME=/usr/local/cuda; }
 fi
 
-if [ "$phase" != verify ]; then
-step "micro-benchmarks"
-timeout 240 python3 -m benchmarks.bench_scaler --device cuda --totals 10000000,1000000000 --counts 1,100,10000 >"$out/bench_scaler.log" 2>&1
-timeout 240 python3 -m benchmarks.bench_adamw --device cuda --totals 1000000,10000000,100000000 --counts 1,100,10000 >"$out/bench_adamw.log" 2>&1
-timeout 240 python3 -m benchmarks.bench_adamw8bit --device cuda --out "$out" >"$out/bench_adamw8bit.log" 2>&1
-cp benchmarks/results/*.json "$out/" 2>/dev/null
+env_info() {
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv
+  python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda)"
+  python3 -c "import triton; print('triton', triton.__version__)" || true
+  command -v nvcc >/dev/null && nvcc --version | tail -2
+  for t in compute-sanitizer ncu cuobjdump; do echo "$t: $(command -v $t || echo absent)"; done
+  echo "nproc $(nproc)  .git present: $([ -d .git ] && echo yes || echo no)"
+}
 
-step "main job"
-timeout 240 python3 -m mpfused.bench --device cuda --out "$out/bench" >"$out/main_job.log" 2>&1; echo "bench rc=$?" | tee -a "$out/summary.log"
-tail -15 "$out/main_job.log" | tee -a "$out/summary.log"
-fi
-step "done"
-# $OUT returns at most 8 files: everything travels as one archive too
-tar czf "$out.tgz" -C "$(dirname "$out")" "$(basename "$out")" 2>/dev/null
+build() {
+  if [ $dry = 1 ]; then
+    echo "dry run: no build, the installed extension serves"
+  else
+    cap=$(python3 -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())") || return 1
+    local h; h=$(python3 -c "from benchmarks.provenance import tree_hash; print(tree_hash())")
+    # a warm machine keeps ignored build outputs between calls: the same tree needs no rebuild
+    if [ "$(cat build/.suite_tree 2>/dev/null)" = "$h-$cap" ] && python3 -c "from mpfused import _extension as e; assert e.with_cuda()"; then
+      echo "already built for tree $h, sm $cap"
+    else
+      TORCH_CUDA_ARCH_LIST=$cap MPFUSED_CUDA=1 MAX_JOBS=$(nproc) python3 -m pip install --no-index \
+        --no-deps --no-build-isolation -e . || return 1
+      mkdir -p build && echo "$h-$cap" >build/.suite_tree
+    fi
+    command -v cuobjdump >/dev/null && cuobjdump -res-usage mpfused/_C*.so >"$run/res_usage.txt" 2>&1
+  fi
+  python3 -m mpfused.info
+}
+
+run_pytest() {  # NAME JUNIT ARGS...: names and outcomes survive a timeout (-v -rA, junit, SIGINT)
+  local name=$1 junit=$2; shift 2
+  step "$name" "$name.log" python3 -m pytest -v -rA -p no:cacheprovider -p benchmarks.pytest_deadline \
+    --deadline "${GPU_SUITE_TEST_DEADLINE:-60}" --maxfail 25 --junitxml "$run/$junit" \
+    -o junit_suite_name="mpfused-$sha" -o junit_duration_report=call "$@"
+}
+
+sanitizer() {  # TOOL BACKENDS FAMILIES
+  local tool=$1
+  if [ $dry = 1 ]; then
+    # no compute-sanitizer on CPU: the driver's own calls are what the dry run checks
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 python3 -m benchmarks.sanitizer_driver --device cpu --backends "$2" --only "$3"
+  else
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      --print-limit 30 python3 -m benchmarks.sanitizer_driver --backends "$2" --only "$3"
+  fi
+}
+
+ncu_all() {
+  if [ $dry = 1 ] || ! command -v ncu >/dev/null; then
+    echo "ncu not run ($([ $dry = 1 ] && echo 'dry run' || echo 'not installed')); parsing a canned CSV instead"
+    printf '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n"0","void mta_kernel<AdamFunctor>(Meta)","dram__bytes_read.sum","byte","1600"\n"0","void mta_kernel<AdamFunctor>(Meta)","dram__bytes_write.sum","byte","1200"\n' >"$run/ncu_canned.csv"
+    python3 -m benchmarks.roofline --ncu-csv "$run/ncu_canned.csv" --case canned --numel 100 --out "$run/roofline.json"
+    return
+  fi
+  local n=$((1 << 25)) c rc=0  # 32M elements: far beyond L2, and ncu's replays stay quick
+  for c in adamw_fp32 adamw_bf16_master adamw8bit_fp32 adamw8bit_bf16_master check_bf16 unscale_bf16; do
+    ncu --csv --log-file "$run/ncu_$c.csv" --print-units base --clock-control none \
+      -k regex:mta_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight --section Occupancy \
+      --metrics dram__bytes_read.sum,dram__bytes_write.sum,sm__warps_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed_op_shared_ld.sum \
+      python3 -m benchmarks.roofline --once --case "$c" --numel $n || rc=1
+    python3 -m benchmarks.roofline --ncu-csv "$run/ncu_$c.csv" --case "$c" --numel $n --out "$run/roofline.json" || rc=1
+  done
+  cat "$run"/ncu_*.csv >"$run/ncu.csv" && rm -f "$run"/ncu_*.csv
+  return $rc
+}
+
+export -f env_info build sanitizer ncu_all
+export dry run
+
+for s in ${PLAN[$phase]}; do
+  case $s in
+    env) step env env.log env_info ;;
+    build) step build build.log build || { echo "build failed: nothing else can run" | tee -a "$summary"; exit 1; } ;;
+    smoke)
+      step smoke smoke.log python3 -m benchmarks.gpu_smoke --device $dev --backends $smoke_backends \
+        --timeout 30 --out "$run/smoke.txt" ${GPU_SUITE_SMOKE_ONLY:+--only "$GPU_SUITE_SMOKE_ONLY"} ;;
+    tests_cuda)
+      # the GPU's own tests first, in their own process: a sticky CUDA error there cannot fail the rest
+      # shellcheck disable=SC2086
+      run_pytest tests_cuda junit-cuda.xml ${GPU_SUITE_TESTS_CUDA:-tests/test_cuda_kernels.py tests/test_cuda_adam8bit.py} ;;
+    tests_rest)
+      # everything else (CUDA-parametrized tests included); the host emulation, the Triton AOT and
+      # nvcc compile checks are CI's stand-ins for this machine
+      # shellcheck disable=SC2086
+      run_pytest tests_rest junit-rest.xml ${GPU_SUITE_TESTS_REST:-tests --ignore=tests/test_cuda_kernels.py \
+        --ignore=tests/test_cuda_adam8bit.py --ignore=tests/test_cuda_emulation.py \
+        --ignore=tests/test_triton_compile.py --ignore=tests/test_cuda_compile.py} ;;
+    memcheck) step memcheck memcheck.log sanitizer memcheck $san_backends "${GPU_SUITE_SAN_ONLY:-check_grads,unscale_grads_,update_scale_,adam_step_,adam8bit_step_}" ;;
+    # shared memory and barriers are the native kernels' (the 8-bit search tables, the amp reductions)
+    racecheck) step racecheck racecheck.log sanitizer racecheck native "${GPU_SUITE_SAN_ONLY:-check_grads,unscale_grads_,adam8bit_step_}" ;;
+    synccheck) step synccheck synccheck.log sanitizer synccheck native "${GPU_SUITE_SAN_ONLY:-check_grads,unscale_grads_,update_scale_,adam_step_,adam8bit_step_}" ;;
+    initcheck) step initcheck initcheck.log sanitizer initcheck native "${GPU_SUITE_SAN_ONLY:-check_grads,unscale_grads_,update_scale_,adam_step_,adam8bit_step_}" ;;
+    roofline)
+      if [ $dry = 1 ]; then
+        step roofline roofline.log python3 -m benchmarks.roofline --device cpu --numel 4096 --small 100x10 \
+          --warmup 1 --reps 2 --cases adamw_fp32,adamw8bit_fp32,check_bf16 --out "$run/roofline.json"
+      else
+        step roofline roofline.log python3 -m benchmarks.roofline --device cuda --out "$run/roofline.json"
+      fi ;;
+    ncu) step ncu ncu.log ncu_all ;;
+    wheels)
+      if compgen -G ".whl/*.whl" >/dev/null; then
+        step wheels wheels.log python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
+          && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+      else
+        echo "SKIP    wheels        no .whl/ (bitsandbytes, torchao absent: their columns stay empty)" | tee -a "$summary"
+      fi ;;
+    bench_scaler)
+      if [ $dry = 1 ]; then a=(--device cpu --totals 20000 --counts 1,10 --dtypes bf16)
+      else a=(--device cuda --totals 10000000,1000000000 --counts 1,100,10000); fi
+      step bench_scaler bench_scaler.log python3 -m benchmarks.bench_scaler "${a[@]}" ;;
+    bench_adamw)
+      if [ $dry = 1 ]; then a=(--device cpu --totals 20000 --counts 1,10)
+      else a=(--device cuda --totals 1000000,100000000 --counts 1,10000); fi
+      step bench_adamw bench_adamw.log python3 -m benchmarks.bench_adamw "${a[@]}" ;;
+    bench_8bit)
+      if [ $dry = 1 ]; then a=(--device cpu --sizes 2e4 --steps 1 --rounds 1 --warmup 1)
+      else a=(--device cuda); fi
+      step bench_8bit bench_8bit.log python3 -m benchmarks.bench_adamw8bit "${a[@]}" --out "$run" ;;
+    main_job)
+      if [ $dry = 1 ]; then a=(--device cpu --size tiny --steps 2 --recipes native,mpfused)
+      else a=(--device cuda); fi
+      step main_job main_job.log python3 -m mpfused.bench "${a[@]}" --out "$run/main_job" ;;
+  esac
+done
+exit $(( failed > 0 ))

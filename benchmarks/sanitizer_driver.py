@@ -1,67 +1,46 @@
-"""A small driver that runs every CUDA op once (native and Triton backends) on small, odd-sized,
-mixed-dtype inputs: the workload for compute-sanitizer (memcheck, racecheck) in gpu_suite.sh."""
+"""The workload for compute-sanitizer (memcheck, racecheck, synccheck, initcheck) in gpu_suite.sh:
+every op of every backend once, on every case of the smoke test (each dtype and master mode;
+odd sizes, a tensor one element past an aligned start and a transposed one), and the 8-bit step
+at every block-size class (within a warp, one warp, several warps, a whole 4096 chunk).
+
+Run it with PYTORCH_NO_CUDA_MEMORY_CACHING=1: under the caching allocator an out-of-bounds access
+that lands in the same cached segment is invisible to memcheck.
+    python -m benchmarks.sanitizer_driver [--device cuda] [--backends native,triton] [--only FAMILIES]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
 import torch
 
 import mpfused  # noqa: F401
-from mpfused import quant_maps as qm
+from benchmarks.gpu_smoke import FAMILIES, _inputs, _to, cases
 from mpfused.ops import OPS
 
-
-def tensors(dtype, sizes=(1, 7, 4097, 65537)):
-    return [torch.randn(n, device="cuda").to(dtype) for n in sizes]
+BLOCKS_8BIT = (64, 128, 256, 4096)
 
 
-def run(backend: str) -> None:
-    dev = "cuda"
-    grads = [g for dt in (torch.float32, torch.float16, torch.bfloat16) for g in tensors(dt)]
-    grads.append(torch.randn(33, 17, device=dev).t())
-    found, inv = torch.zeros((), device=dev), torch.tensor(0.5, device=dev)
-    norm, per = torch.zeros((), device=dev), torch.zeros(len(grads), device=dev)
-    OPS["unscale_grads_"](grads, found, inv, norm, per, backend=backend)
-    OPS["check_grads"](grads, found, inv, norm, per, backend=backend)
-    scale = torch.full((), 4.0, device=dev)
-    gt = torch.zeros((), dtype=torch.int32, device=dev)
-    ht = torch.ones((), dtype=torch.int32, device=dev)
-    OPS["update_scale_"](scale, gt, ht, found, 2.0, 0.5, 2, 1, 0.0, float("inf"), backend=backend)
-    for dtype, modes in ((torch.float32, (0,)), (torch.float16, (0, 1)), (torch.bfloat16, (0, 1, 2, 3))):
-        for mode in modes:
-            p = tensors(dtype)
-            g = [torch.randn_like(x) for x in p]
-            m = [torch.zeros_like(x, dtype=torch.float32) for x in p]
-            v = [torch.zeros_like(x, dtype=torch.float32) for x in p]
-            vmax = [torch.zeros_like(x, dtype=torch.float32) for x in p]
-            masters = ([x.float() for x in p] if mode == 1 else
-                       [torch.zeros_like(x, dtype=torch.int16) for x in p] if mode == 2 else [])
-            steps = [torch.zeros((), device=dev) for _ in p]
-            OPS["adam_step_"](p, g, m, v, vmax, masters, steps, 1e-3, None, 0.9, 0.999, 1e-8, 0.01,
-                              True, False, True, mode, scale, found, norm, 1.0, 7, backend=backend)
-    # 8-bit Adam: every block size class (within a warp, one warp, several warps, a whole 4096
-    # chunk), odd sizes (tails, partial chunks), a misaligned and a transposed (staged) tensor.
-    q1, q2 = qm.signed_map(dev), qm.unsigned_map(dev)
-    for block in (64, 128, 256, 4096):
-        for dtype, modes in ((torch.float32, (0,)), (torch.float16, (0, 1)),
-                             (torch.bfloat16, (0, 1, 2, 3))):
-            for mode in modes:
-                p = tensors(dtype, sizes=(1, 7, 4097, 65537))
-                p.append(torch.randn(4098, device=dev).to(dtype)[1:])  # 1 element past aligned
-                p.append(torch.randn(33, 17, device=dev).to(dtype).t())
-                g = [torch.randn_like(x) for x in p]
-                m = [qm.quantize_blockwise(torch.randn(x.shape, device=dev) * 1e-3, q1, block)
-                     for x in p]
-                v = [qm.quantize_blockwise(torch.rand(x.shape, device=dev) * 1e-5, q2, block)
-                     for x in p]
-                masters = ([x.float() for x in p] if mode == 1 else
-                           [torch.zeros_like(x, dtype=torch.int16) for x in p] if mode == 2 else [])
-                steps = [torch.zeros((), device=dev) for _ in p]
-                OPS["adam8bit_step_"](p, g, [c for c, _ in m], [c for c, _ in v],
-                                      [a for _, a in m], [a for _, a in v], masters, steps, q1, q2,
-                                      block, 1e-3, None, 0.9, 0.999, 1e-8, 0.01, False, True, mode,
-                                      scale, found, norm, 1.0, 7, backend=backend)
-    torch.cuda.synchronize()
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--backends", default="native,triton")
+    ap.add_argument("--only", default=",".join(FAMILIES))
+    args = ap.parse_args(argv)
+    gen = torch.Generator().manual_seed(0)
+    n = 0
+    for op, backend, dtype, mode in cases(args.backends.split(",")):
+        if op not in args.only.split(",") or backend not in OPS[op].available(args.device):
+            continue
+        for block in (BLOCKS_8BIT if op == "adam8bit_step_" else (256,)):
+            a, kw, _ = _inputs(op, dtype, mode, gen, block=block)
+            OPS[op](*_to(a, args.device), **_to(kw, args.device), backend=backend)
+            n += 1
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+    print(f"sanitizer driver: {n} calls on {args.device} ({args.backends}; {args.only}): ok")
+    return 0 if n else 1
 
 
 if __name__ == "__main__":
-    for b in ("native", "triton"):
-        if b in OPS["adam_step_"].available("cuda"):
-            run(b)
-            print(f"{b}: ok")
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""Per-kernel smoke test, run before pytest on a GPU: each case (op x backend x dtype x mode) runs
+once on the device and is compared with the CPU native kernel (else the reference) on the same
+inputs. One line per case:
+
+    PASS|FAIL  op  backend  dtype  mode  max_err  note
+
+Each op family runs in its own worker process with CUDA_LAUNCH_BLOCKING=1, so an error is
+attributed to the launch that made it. A CUDA error poisons the process's context: the worker
+stops there and a fresh one resumes the remaining cases; a hang is killed after --timeout s and
+the rest resume too. So every kernel gets a verdict even if one of them crashes.
+
+    python -m benchmarks.gpu_smoke [--device cuda] [--backends native,triton] [--timeout 60]
+On CPU (`--device cpu --backends native`) the same cases and calls run as the dry run's stand-in.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import subprocess
+import sys
+import threading
+import time
+
+FAMILIES = ("check_grads", "unscale_grads_", "update_scale_", "adam_step_", "adam8bit_step_")
+DTYPES = ("fp32", "fp16", "bf16")
+MODES = {0: "none", 1: "fp32-master", 2: "remainder", 3: "stochastic"}
+# the master modes each param dtype has (remainders and stochastic rounding are bf16's)
+DTYPE_MODES = {"fp32": (0,), "fp16": (0, 1), "bf16": (0, 1, 2, 3)}
+
+
+def cases(backends: list[str]) -> list[tuple]:
+    out = []
+    for b in backends:
+        for op in FAMILIES:
+            if op in ("check_grads", "unscale_grads_"):
+                out += [(op, b, dt, "-") for dt in DTYPES]
+            elif op == "update_scale_":
+                out.append((op, b, "fp32", "-"))
+            else:
+                out += [(op, b, dt, MODES[m]) for dt in DTYPES for m in DTYPE_MODES[dt]]
+    return out
+
+
+# ---------------------------------------------------------------- worker side (imports torch)
+
+def _inputs(op: str, dtype_name: str, mode: str, gen, block: int = 256):
+    """CPU inputs for one case: odd sizes, a tensor one element past an aligned start (offset
+    view) and a transposed one; returns (args, kwargs, outputs) with the outputs the op writes."""
+    import torch
+    from mpfused import quant_maps as qm
+
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
+
+    def shaped():
+        ts = [torch.randn(n, generator=gen).to(dtype) for n in (1, 7, 4097, 65537)]
+        ts.append(torch.randn(4098, generator=gen).to(dtype)[1:])        # offset view
+        ts.append(torch.randn(33, 17, generator=gen).to(dtype).t())      # transposed view
+        return ts
+
+    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
+    if op in ("check_grads", "unscale_grads_"):
+        grads = shaped()
+        grads[2][5] = float("inf") if op == "check_grads" else grads[2][5]
+        found, inv = f32(0.0), f32(0.5)
+        norm, per = f32(0.0), torch.zeros(len(grads))
+        return [grads, found, inv, norm, per], {}, [found, norm, per] + (
+            grads if op == "unscale_grads_" else [])
+    if op == "update_scale_":
+        scale, gt, ht = f32(4.0), torch.tensor(3, dtype=torch.int32), torch.tensor(1, dtype=torch.int32)
+        found = f32(1.0)
+        return [scale, gt, ht, found, 2.0, 0.5, 2, 1, 0.0, float("inf")], {}, [scale, gt, ht]
+    m = {v: k for k, v in MODES.items()}[mode]
+    p = shaped()
+    g = [torch.randn(x.shape, generator=gen).to(dtype) for x in p]
+    masters = ([x.float() for x in p] if m == 1 else
+               [torch.zeros(x.shape, dtype=torch.int16) for x in p] if m == 2 else [])
+    steps = [f32(3.0) for _ in p]
+    scale, found, norm = f32(2.0), f32(0.0), f32(0.0)
+    tail = [scale, found, norm, 0.0, 7]  # grad_scale, found_inf, norm_sq, max_grad_norm, seed
+    if op == "adam_step_":
+        ms = [torch.randn(x.shape, generator=gen) * 1e-3 for x in p]
+        vs = [torch.rand(x.shape, generator=gen) * 1e-5 for x in p]
+        vmax = [v.clone() for v in vs]
+        args = [p, g, ms, vs, vmax, masters, steps, 1e-3, None, 0.9, 0.999, 1e-8, 0.01,
+                True, False, True, m]
+        return args + tail, {}, p + ms + vs + vmax + masters + steps
+    q1, q2 = qm.signed_map("cpu"), qm.unsigned_map("cpu")
+    mq = [qm.quantize_blockwise(torch.randn(x.shape, generator=gen) * 1e-3, q1, block) for x in p]
+    vq = [qm.quantize_blockwise(torch.rand(x.shape, generator=gen) * 1e-5, q2, block) for x in p]
+    c1, a1 = [c for c, _ in mq], [a for _, a in mq]
+    c2, a2 = [c for c, _ in vq], [a for _, a in vq]
+    args = [p, g, c1, c2, a1, a2, masters, steps, q1, q2, block, 1e-3, None, 0.9, 0.999, 1e-8,
+            0.01, False, True, m]
+    return args + tail, {}, p + c1 + c2 + a1 + a2 + masters + steps
+
+
+def _to(obj, device):
+    import torch
+    if isinstance(obj, torch.Tensor):
+        # keep the layout: a view is rebuilt as a view of a copy of its base
+        if obj.is_contiguous():
+            return obj.to(device)
+        base = obj._base if obj._base is not None else obj
+        return base.to(device).as_strided(obj.shape, obj.stride(), obj.storage_offset())
+    if isinstance(obj, list):
+        return [_to(x, device) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _max_err(got, want) -> float:
+    import torch
+    got = got.cpu()
+    if got.dtype in (torch.uint8, torch.int16, torch.int32):
+        return float((got.to(torch.int64) != want.to(torch.int64)).float().mean())  # share differing
+    g, w = got.double(), want.double()
+    if not torch.equal(g.isnan(), w.isnan()):
+        return float("inf")
+    ok = ~w.isnan()
+    if not ok.any():
+        return 0.0
+    return float(((g - w)[ok].abs() / w[ok].abs().clamp_min(1e-30)).max())
+
+
+def run_case(case: tuple, device: str) -> tuple[bool, float, str]:
+    import torch
+    from mpfused.ops import OPS
+
+    op, backend, dtype, mode = case
+    gen = torch.Generator().manual_seed(hash(case) & 0xFFFF)
+    args, kwargs, outs = _inputs(op, dtype, mode, gen)
+    dargs, dkwargs = _to(args, device), _to(kwargs, device)
+    # the same structure on the device: find each output there by identity of position
+    flat = lambda a, k: [t for t in _walk(a) + _walk(list(k.values()))]  # noqa: E731
+    pos = [next(i for i, t in enumerate(flat(args, kwargs)) if t is o) for o in outs]
+    douts = [flat(dargs, dkwargs)[i] for i in pos]
+    ref_backend = "native" if "native" in OPS[op].available("cpu") else "reference"
+    if device == "cpu" and backend == "native":
+        ref_backend = "reference"  # the stand-in: native CPU against the reference
+    t0 = time.perf_counter()
+    OPS[op](*dargs, **dkwargs, backend=backend)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    OPS[op](*args, **kwargs, backend=ref_backend)
+    err = max((_max_err(d, o) for d, o in zip(douts, outs)), default=0.0)
+    exact = all(torch.equal(d.cpu(), o) or (d.is_floating_point() and torch.equal(
+        d.cpu().nan_to_num(0.0), o.nan_to_num(0.0))) for d, o in zip(douts, outs))
+    # 16-bit results may differ from the CPU by rounding; codes by a rare flip at a threshold
+    tol = 1e-5 if dtype == "fp32" else 1e-2
+    return err <= tol, err, f"{'exact' if exact else 'within ' + format(tol, 'g')} vs cpu-{ref_backend}, {dt * 1e3:.1f} ms"
+
+
+def _walk(x):
+    import torch
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _walk(v)]
+    return []
+
+
+def worker(idx: list[int], backends: list[str], device: str) -> None:
+    import torch
+
+    import mpfused  # noqa: F401
+    from mpfused.ops import OPS
+
+    all_cases = cases(backends)
+    # MPFUSED_SMOKE_FAULT="i:crash,j:hang": the dry run's check that a crash or a hang costs one
+    # case and not the family
+    faults = dict(f.split(":") for f in os.environ.get("MPFUSED_SMOKE_FAULT", "").split(",") if f)
+    for i in idx:
+        case = all_cases[i]
+        print(f"START {i}", flush=True)
+        if faults.get(str(i)) == "crash":
+            os.abort()
+        if faults.get(str(i)) == "hang":
+            time.sleep(3600)
+        op, backend = case[0], case[1]
+        if backend not in OPS[op].available(device):
+            print(f"RESULT {i} SKIP nan backend not available on {device}", flush=True)
+            continue
+        try:
+            ok, err, note = run_case(case, device)
+            print(f"RESULT {i} {'PASS' if ok else 'FAIL'} {err:.3g} {note}", flush=True)
+        except Exception as e:  # noqa: BLE001
+            msg = " ".join(f"{type(e).__name__}: {e}".split())[:300]
+            print(f"RESULT {i} FAIL nan {msg}", flush=True)
+            if device == "cuda" and ("CUDA" in msg or "AcceleratorError" in msg):
+                sys.exit(3)  # the context may be dead: a fresh process takes the rest
+    del torch
+
+
+# ---------------------------------------------------------------- parent side (no torch)
+
+def _run_group(idx: list[int], args, all_cases, out) -> bool:
+    ok = True
+    todo = list(idx)
+    while todo:
+        env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
+        cmd = [sys.executable, "-m", "benchmarks.gpu_smoke", "--worker", ",".join(map(str, todo)),
+               "--device", args.device, "--backends", args.backends]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=env, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        lines: queue.Queue = queue.Queue()
+        threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout] + [lines.put(None)],
+                         daemon=True).start()
+        current, deadline, tail = None, time.monotonic() + args.timeout + 60, []  # +60: start-up
+        while True:
+            try:
+                line = lines.get(timeout=max(deadline - time.monotonic(), 0.01))
+            except queue.Empty:
+                proc.kill()
+                verdict = f"FAIL  nan  killed after {args.timeout} s (hang)"
+                break
+            if line is None:
+                proc.wait()
+                verdict = f"FAIL  nan  worker died (rc {proc.returncode}): {' | '.join(tail[-3:])}"
+                break
+            parts = line.split(maxsplit=4)
+            if parts[:1] == ["START"]:
+                current, deadline = int(parts[1]), time.monotonic() + args.timeout
+            elif parts[:1] == ["RESULT"]:
+                i = int(parts[1])
+                todo.remove(i)
+                _emit(out, parts[2], all_cases[i], parts[3], parts[4].strip() if len(parts) > 4 else "")
+                ok &= parts[2] != "FAIL"
+                current = None
+            elif line.strip() and not line.startswith(("frame #", "<omitting", "Exception raised")):
+                tail.append(line.strip())
+        if not todo:
+            break
+        if current is None:  # died between cases (import, start-up): nothing can be attributed
+            for i in todo:
+                _emit(out, "FAIL", all_cases[i], "nan", "not run: " + verdict.split("  ", 2)[2])
+            return False
+        todo.remove(current)
+        _emit(out, *verdict.split("  ", 2)[:1], all_cases[current], "nan", verdict.split("  ", 2)[2])
+        ok = False
+    return ok
+
+
+def _emit(out, verdict, case, err, note):
+    line = f"{verdict:<4}  {case[0]:<15} {case[1]:<9} {case[2]:<4}  {case[3]:<12} max_err={err:<9} {note}"
+    print(line, flush=True)
+    if out:
+        out.write(line + "\n")
+        out.flush()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--backends", default="native,triton")
+    ap.add_argument("--timeout", type=float, default=60.0, help="seconds per case before a kill")
+    ap.add_argument("--out", help="also write the lines to this file")
+    ap.add_argument("--only", default="", help="comma-separated op families (default: all)")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    backends = args.backends.split(",")
+    if args.worker is not None:
+        worker([int(i) for i in args.worker.split(",")], backends, args.device)
+        return 0
+    all_cases = cases(backends)
+    out = open(args.out, "w") if args.out else None
+    ok = True
+    for b in backends:  # one process per op family and backend
+        for fam in [f for f in FAMILIES if not args.only or f in args.only.split(",")]:
+            idx = [i for i, c in enumerate(all_cases) if c[0] == fam and c[1] == b]
+            ok &= _run_group(idx, args, all_cases, out)
+    print(f"smoke: {'all PASS' if ok else 'FAILURES'}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

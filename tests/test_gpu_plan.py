@@ -1,0 +1,173 @@
+"""The GPU run plan (benchmarks/gpu_suite.sh and what it calls) tested on CPU before it meets a GPU:
+its syntax, its time caps against the device's 10-minute call, and a dry run of its control flow
+(smoke processes, pytest with per-test deadlines and SIGINT, the archive, the file count, the
+commit in every file). The GPU itself is not simulated: only the plumbing that would lose the
+results of a scarce GPU run is."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITE = ROOT / "benchmarks" / "gpu_suite.sh"
+DEVICE_CALL_S = 600  # the device tool's limit for one command
+DEVICE_FILES = 8     # files that come back from $OUT
+
+
+def test_scripts_parse():
+    for script in ("gpu_suite.sh", "cuda_torch_build.sh"):
+        r = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / script)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+
+
+def test_time_caps_fit_one_device_call():
+    r = subprocess.run(["bash", str(SUITE), "--plan"], capture_output=True, text=True, check=True)
+    phases = {}
+    for line in r.stdout.splitlines():
+        name, *fields = line.split()
+        kv = dict(f.split("=") for f in fields if "=" in f)
+        steps = {k: int(v) for k, v in (f.split(":") for f in fields if ":" in f)}
+        phases[name] = (int(kv["total"]), int(kv["budget"]), steps)
+    assert set(phases) == {"verify", "sanitize", "roofline", "bench"}
+    for name, (total, budget, steps) in phases.items():
+        assert "build" in steps and list(steps)[:2] == ["env", "build"], name  # a fresh machine may come
+        # the caps (plus the archive's reserve) add up to the budget at most, and the budget leaves
+        # the device call a margin for its own start-up and the transfer
+        assert total <= budget <= DEVICE_CALL_S - 30, (name, total, budget)
+
+
+def test_commit_stamp_is_not_tracked():
+    # benchmarks/.commit must travel (untracked, not ignored) but never be committed: a committed
+    # one would name the wrong commit on every later run
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    tracked = subprocess.run(["git", "ls-files", "benchmarks/.commit"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.strip()
+    ignored = subprocess.run(["git", "check-ignore", "-q", "benchmarks/.commit"], cwd=ROOT).returncode == 0
+    assert not tracked and not ignored
+
+
+def test_ncu_csv_parse(tmp_path):
+    from benchmarks.roofline import parse_ncu
+
+    csv = tmp_path / "ncu.csv"
+    csv.write_text('==PROF== Connected to process 1\n'
+                   '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+                   '"0","void mta_kernel<AdamFunctor<0>>(Meta)","x","dram__bytes_read.sum","byte","1,600"\n'
+                   '"0","void mta_kernel<AdamFunctor<0>>(Meta)","x","dram__bytes_write.sum","byte","1200"\n'
+                   '"0","void mta_kernel<AdamFunctor<0>>(Meta)","x","smsp__inst_executed_op_shared_ld.sum","inst","10"\n'
+                   '"0","void mta_kernel<AdamFunctor<0>>(Meta)","x","l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum","","31"\n')
+    k = parse_ncu(csv, 100)["void mta_kernel"]
+    assert k["dram_bytes_per_elem"] == pytest.approx(28.0)
+    assert k["shared_wavefronts_per_ld"] == pytest.approx(3.1)
+
+
+def test_smoke_and_sanitizer_cases_run_on_cpu():
+    """Every case of the smoke test and the sanitizer driver calls the ops as their schemas are
+    now (a schema change must update the drivers here, not on the GPU)."""
+    from benchmarks import gpu_smoke, sanitizer_driver
+    from mpfused.ops import OPS
+
+    backend = "native" if "native" in OPS["adam_step_"].available("cpu") else "reference"
+    for case in gpu_smoke.cases([backend]):
+        ok, err, note = gpu_smoke.run_case(case, "cpu")
+        assert ok, (case, err, note)
+    assert sanitizer_driver.main(["--device", "cpu", "--backends", backend]) == 0
+
+
+_TESTS_CUDA = '''
+import time
+def test_passes(): pass
+def test_fails(): assert 1 == 2
+def test_hangs(): time.sleep(60)
+'''
+_TESTS_REST = '''
+import faulthandler, signal, time
+def test_before_interrupt(): pass
+def test_interrupted():
+    # a test whose deadline cannot fire: the step's cap (SIGINT) is the backstop
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    faulthandler.cancel_dump_traceback_later()
+    time.sleep(60)
+'''
+
+
+def test_dry_run(tmp_path):
+    """The whole plan on CPU, in a copy of benchmarks/ (results written there, not in the repo),
+    without .git (as on the device), the commit passed as on the device."""
+    work = tmp_path / "tree"
+    shutil.copytree(ROOT / "benchmarks", work / "benchmarks",
+                    ignore=shutil.ignore_patterns("results", "__pycache__", ".commit"))
+    (work / "dry_tests").mkdir()
+    (work / "dry_tests" / "test_cuda_dry.py").write_text(_TESTS_CUDA)
+    (work / "dry_tests" / "test_rest_dry.py").write_text(_TESTS_REST)
+    out = tmp_path / "OUT"
+    (out / "stale.txt").parent.mkdir()
+    env = dict(os.environ, MPFUSED_COMMIT="0123456789abcdef0123", GPU_SUITE_TEST_DEADLINE="3",
+               GPU_SUITE_SMOKE_ONLY="check_grads", GPU_SUITE_SAN_ONLY="update_scale_",
+               GPU_SUITE_TESTS_CUDA="dry_tests/test_cuda_dry.py",
+               GPU_SUITE_TESTS_REST="dry_tests/test_rest_dry.py", GPU_SUITE_CAP_tests_rest="15",
+               # same code paths as memcheck and as the bench steps' neighbours; each costs a
+               # process start-up (~5 s on 2 cores), and their CLIs are tested in test_bench
+               GPU_SUITE_STUB="racecheck,synccheck,initcheck,bench_scaler,bench_adamw,bench_8bit,main_job",
+               PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path[1:]))
+    env.pop("TRITON_INTERPRET", None)
+    r = subprocess.run(["bash", str(work / "benchmarks" / "gpu_suite.sh"), "--dry-run", str(out), "all"],
+                       cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    summary_txt = (out / "summary-all.txt").read_text()
+    assert r.returncode == 1, r.stdout + r.stderr  # the planted failures fail the phase
+
+    # two files come back: the archive (named after the commit) and the summary
+    files = sorted(p.name for p in out.iterdir())
+    assert files == ["mpfused-gpu-all-0123456789ab.tgz", "summary-all.txt"], files
+    assert len(files) <= DEVICE_FILES
+
+    lines = summary_txt.splitlines()
+    assert lines[1].startswith("commit 0123456789abcdef0123"), lines[:3]
+    verdict = {m.group(2): m.group(1) for m in map(re.compile(r"^(PASS|FAIL|TIMEOUT|SKIP)\s+(\S+)").match, lines) if m}
+    assert verdict == {"env": "PASS", "build": "PASS", "smoke": "PASS", "tests_cuda": "FAIL",
+                       "tests_rest": "TIMEOUT", "memcheck": "PASS", "racecheck": "PASS",
+                       "synccheck": "PASS", "initcheck": "PASS", "roofline": "PASS", "ncu": "PASS",
+                       "wheels": "SKIP", "bench_scaler": "PASS", "bench_adamw": "PASS",
+                       "bench_8bit": "PASS", "main_job": "PASS"}, summary_txt
+
+    with tarfile.open(out / "mpfused-gpu-all-0123456789ab.tgz") as tar:
+        names = set(tar.getnames())
+        read = lambda n: tar.extractfile(f"run-all/{n}").read().decode()  # noqa: E731
+        for log in [n for n in names if n.endswith(".log")]:
+            first = tar.extractfile(log).read().decode().splitlines()[0]
+            assert first.startswith("# commit 0123456789abcdef0123"), (log, first)
+        # smoke: one line per case, each PASS, each op family in its own process
+        smoke = read("smoke.txt").splitlines()
+        assert len(smoke) == 3 and all(s.startswith("PASS") for s in smoke), smoke
+        # a hanging test fails by name at its deadline and the run goes on
+        cuda = {c.get("name"): c for c in ET.fromstring(read("junit-cuda.xml")).iter("testcase")}
+        assert set(cuda) == {"test_passes", "test_fails", "test_hangs"}
+        assert cuda["test_passes"].find("failure") is None
+        assert "deadline" in cuda["test_hangs"].find("failure").get("message")
+        assert ET.fromstring(read("junit-cuda.xml")).find("testsuite").get("name") == "mpfused-0123456789ab"
+        # the step's own cap interrupts with SIGINT: what finished is still named
+        rest_log = read("tests_rest.log")
+        assert "PASSED dry_tests/test_rest_dry.py::test_before_interrupt" in rest_log
+        assert "KeyboardInterrupt" in rest_log
+        rest = {c.get("name") for c in ET.fromstring(read("junit-rest.xml")).iter("testcase")}
+        assert "test_before_interrupt" in rest
+        # the roofline ran its CPU stand-in and parsed ncu's CSV format; JSONs carry the commit
+        roof = json.loads(read("roofline.json"))
+        assert {k["case"] for k in roof["kernels"]} == {"adamw_fp32", "adamw8bit_fp32", "check_bf16"}
+        assert roof["kernels"][0]["bytes_per_elem"] == 28.0
+        assert {s["who"] for s in roof["small_step"]} == {"mpfused", "torch-fused"}
+        assert roof["ncu"]["canned"]["kernels"]["void mta_kernel"]["dram_bytes_per_elem"] == 28.0
+        assert roof["suite_provenance"].startswith("commit 0123456789abcdef0123")
+    # nothing was written outside OUT but the copy's own results folder
+    assert not (work / "gpu_out").exists()
