@@ -87,9 +87,10 @@ def clone_state(s):
 
 HYPER = dict(lr=1e-2, lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1,
              amsgrad=False, maximize=False, decoupled=True, master_mode=NONE, grad_scale=None,
-             found_inf=None, norm_sq=None, max_grad_norm=0.0, seed=0)
+             found_inf=None, norm_sq=None, max_grad_norm=0.0, seed=0, param_ids=[], elem_offsets=[])
 ARG_ORDER = ("lr", "lr_tensor", "beta1", "beta2", "eps", "weight_decay", "amsgrad", "maximize",
-             "decoupled", "master_mode", "grad_scale", "found_inf", "norm_sq", "max_grad_norm", "seed")
+             "decoupled", "master_mode", "grad_scale", "found_inf", "norm_sq", "max_grad_norm", "seed",
+             "param_ids", "elem_offsets")
 
 
 def op_args(s, **kw):
@@ -333,32 +334,36 @@ def test_remainder_equals_fp32_master(device, backend):
 
 
 # ---- stochastic rounding ------------------------------------------------------------------------
-def _sr_expected(w32, seed, t, slot):
+def _sr_expected(w32, seed, t, stream):
     idx = torch.arange(w32.numel(), device=w32.device).reshape(w32.shape)
-    return ref.bf16_stochastic(w32.contiguous(), ref.random16(ref.step_seed(seed, t), slot, idx))
+    return ref.bf16_stochastic(w32.contiguous(), ref.random16(ref.step_seed(seed, t), stream, idx))
 
 
+@pytest.mark.parametrize("keys", ["positions", "ids"])
 @pytest.mark.parametrize("seed", [0, 0x5DEECE66D, -(2**62) - 12345])  # int64 (schema)
-def test_stochastic_bit_exact(device, backend, seed):
+def test_stochastic_bit_exact(device, backend, seed, keys):
     # Given the same fp32 value w (the backend's own fp32-master run from identical inputs), the
     # stochastic result is exactly reference.bf16_stochastic(w, random16(step_seed(seed, t),
-    # slot, logical index)), slot = index among the non-empty tensors of the call.
+    # sr_stream(param_id, elem_offset), logical index)); without param_ids / elem_offsets the
+    # id is the tensor's position in the call (empty tensors counted) and the offset 0.
     shapes = [(0,), (4097,), (1,), (0,), (6, 7), (7,)]
     s = make_state(shapes, BF16, STOCHASTIC, False, device, steps=[3, 0, 5, 1, 2, 8])
     s["params"][4] = s["params"][4].t().contiguous().t()  # staged (state is row-major)
     m = clone_state(s)
     m["masters"] = [p.float() for p in s["params"]]
-    step(s, backend, master_mode=STOCHASTIC, seed=seed)
-    step(m, backend, master_mode=FP32_MASTER, seed=seed)
-    slot = 0
+    ids = [10 * i + 3 for i in range(len(shapes))] if keys == "ids" else []
+    offsets = [17 * i for i in range(len(shapes))] if keys == "ids" else []
+    kw = dict(seed=seed, param_ids=ids, elem_offsets=offsets)
+    step(s, backend, master_mode=STOCHASTIC, **kw)
+    step(m, backend, master_mode=FP32_MASTER, **kw)
     for i, p in enumerate(s["params"]):
         assert torch.equal(s["exp_avgs"][i], m["exp_avgs"][i])  # the same fp32 path
         if p.numel() == 0:
             continue
         t = s["steps"][i].item()
-        expect = _sr_expected(m["masters"][i], seed, t, slot)
+        stream = ref.sr_stream(ids[i], offsets[i]) if ids else ref.sr_stream(i)
+        expect = _sr_expected(m["masters"][i], seed, t, stream)
         assert torch.equal(p.view(torch.int16), expect.view(torch.int16)), f"tensor {i}"
-        slot += 1
 
 
 def test_stochastic_unbiased(device, backend):

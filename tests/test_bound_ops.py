@@ -26,8 +26,13 @@ def _adam_lists(s):
 
 
 def _adam_rest(**kw):
+    """The op's arguments after the lists, up to seed (a BoundOp binds param_ids, elem_offsets)."""
     h = {**HYPER, **kw}
-    return tuple(h[k] for k in ARG_ORDER)
+    return tuple(h[k] for k in ARG_ORDER if k not in ("param_ids", "elem_offsets"))
+
+
+# stochastic-rounding keys other than the defaults, bound once and passed to the plain call
+IDS, OFFSETS = [5, 9, 2, 40, 41, 3], [0, 0, 100, 0, 7, 1 << 40]
 
 
 class _NoPlainCall:
@@ -67,9 +72,9 @@ def test_bound_adam_step_equals_plain_call(dev, dtype, mode, amsgrad):
     rest = _adam_rest(amsgrad=amsgrad, master_mode=mode, grad_scale=torch.tensor(4.0, device=dev),
                       found_inf=torch.zeros((), device=dev), norm_sq=torch.tensor(9.0, device=dev),
                       max_grad_norm=1.0, seed=11)
-    call = BoundOp(_NoPlainCall(OPS["adam_step_"]), _adam_lists(bound))
+    call = BoundOp(_NoPlainCall(OPS["adam_step_"]), _adam_lists(bound), IDS, OFFSETS)
     for _ in range(3):
-        OPS["adam_step_"](*(plain[k] for k in KEYS), *rest, backend="native")
+        OPS["adam_step_"](*(plain[k] for k in KEYS), *rest, IDS, OFFSETS, backend="native")
         call(bound["grads"], *rest, backend="native")
     _assert_same(plain, bound)
     assert float(bound["steps"][0]) == float(s["steps"][0]) + 3
@@ -109,9 +114,10 @@ def test_bound_adam8bit_step_equals_plain_call(dev, dtype, mode):
     rest = (qm.signed_map(dev), qm.unsigned_map(dev), block, 1e-3, None, 0.9, 0.999, 1e-8, 1e-2,
             False, True, mode, torch.tensor(2.0, device=dev), torch.zeros((), device=dev),
             torch.tensor(4.0, device=dev), 1.0, 7)
-    call = BoundOp(_NoPlainCall(OPS["adam8bit_step_"]), [bound[0]] + bound[2:])
+    ids, offsets = IDS[:len(sizes)], OFFSETS[:len(sizes)]
+    call = BoundOp(_NoPlainCall(OPS["adam8bit_step_"]), [bound[0]] + bound[2:], ids, offsets)
     for _ in range(2):
-        OPS["adam8bit_step_"](*plain, *rest, backend="native")
+        OPS["adam8bit_step_"](*plain, *rest, ids, offsets, backend="native")
         call(bound[1], *rest, backend="native")
     for a, b in zip(plain, bound):
         for x, y in zip(a, b):
@@ -124,8 +130,9 @@ def test_bound_op_off_native_is_the_plain_call():
     s = make_state(SHAPES, BF16, FP32_MASTER, False, "cpu")
     plain, bound = clone_state(s), clone_state(s)
     rest = _adam_rest(master_mode=FP32_MASTER)
-    OPS["adam_step_"](*(plain[k] for k in KEYS), *rest, backend="reference")
-    BoundOp(OPS["adam_step_"], _adam_lists(bound))(bound["grads"], *rest, backend="reference")
+    OPS["adam_step_"](*(plain[k] for k in KEYS), *rest, IDS, OFFSETS, backend="reference")
+    BoundOp(OPS["adam_step_"], _adam_lists(bound), IDS, OFFSETS)(bound["grads"], *rest,
+                                                                 backend="reference")
     _assert_same(plain, bound)
 
 
@@ -136,7 +143,8 @@ def test_bound_lists_reject_wrong_binding():
     with pytest.raises(RuntimeError, match="adam_step_ needs the 6 lists"):
         BoundOp(OPS["adam_step_"], lists[:5])(s["grads"], *_adam_rest(), backend="native")
     with pytest.raises(RuntimeError, match="lengths sum to 3 but 4 tensors"):
-        torch.classes.mpfused.BoundLists([t for ts in lists for t in ts], [1, 1, 1, 0, 0, 0])
+        torch.classes.mpfused.BoundLists([t for ts in lists for t in ts], [1, 1, 1, 0, 0, 0],
+                                         [], [])
     with pytest.raises(RuntimeError, match="adam8bit_step_ needs the 7 lists"):
         BoundOp(OPS["adam8bit_step_"], lists)(s["grads"], qm.signed_map(), qm.unsigned_map(),
                                               256, *_adam_rest()[:6], False, True, 0, None,

@@ -1,8 +1,9 @@
 """Per-tensor scalars and the master-mode weight load/store of an Adam(W) step, shared by the
 Triton Adam kernels
-(csrc/include/mpfused/adam_math.h::adam_scalars): lr, betas, eps as fp32, the bias-corrected step
-size, 1 / sqrt(1 - beta2^t), the gradient multiplier (unscale, clip, maximize) and the decoupled /
-L2 weight decay, and the step number t. Read on the device: nothing here syncs with the host."""
+(csrc/include/mpfused/adam_math.h::adam_scalars): every constant torch derives in double (1 - beta1,
+1 - beta2, lr * weight_decay, the bias-corrected step size, 1 / sqrt(1 - beta2^t)) derived in fp64
+and rounded to fp32 once; beta2 and eps as fp32; the gradient multiplier (unscale, clip,
+maximize); the step number t. Read on the device: nothing here syncs with the host."""
 import triton
 import triton.language as tl
 
@@ -10,25 +11,25 @@ from mpfused.triton_kernels._bits import f64_from_bits, load_f32, store_f32
 
 
 @triton.jit
-def adam_scalars(step_ptr, lr_ptr, scale_ptr, norm_ptr, lr, beta1_bits, beta2_bits, eps,
-                 weight_decay, mgn_bits, HAS_LR: tl.constexpr, HAS_SCALE: tl.constexpr,
+def adam_scalars(step_ptr, lr_ptr, scale_ptr, norm_ptr, lr_bits, beta1_bits, beta2_bits, eps,
+                 wd_bits, mgn_bits, HAS_LR: tl.constexpr, HAS_SCALE: tl.constexpr,
                  HAS_NORM: tl.constexpr, MAXIMIZE: tl.constexpr, DECOUPLED: tl.constexpr):
-    # Float arguments are fp32 tensors when compiled but Python floats (doubles) under the
-    # interpreter: tl.full rounds them to fp32 explicitly so both see the CPU kernel's values.
+    # Float arguments are fp32 when compiled but Python floats (doubles) under the interpreter:
+    # fp64 values travel as bit patterns (_bits.f64_bits), eps is rounded to fp32 explicitly, so
+    # both see the CPU kernel's values.
     if HAS_LR:
-        lr32 = tl.load(lr_ptr).to(tl.float32)
+        lr64 = tl.load(lr_ptr).to(tl.float32).to(tl.float64)  # a tensor lr: its fp32 value
     else:
-        lr32 = tl.full((), lr, tl.float32)
-    x1 = f64_from_bits(beta1_bits)  # the fp64 betas, exactly (_bits.f64_bits)
+        lr64 = f64_from_bits(lr_bits)
+    x1 = f64_from_bits(beta1_bits)  # the fp64 betas, exactly
     x2 = f64_from_bits(beta2_bits)
-    b1 = x1.to(tl.float32)
+    wd64 = f64_from_bits(wd_bits)
     b2 = x2.to(tl.float32)
+    one_m_b1 = (1.0 - x1).to(tl.float32)
+    one_m_b2 = (1.0 - x2).to(tl.float32)
     eps32 = tl.full((), eps, tl.float32)
-    wd = tl.full((), weight_decay, tl.float32)
     # t = step + 1; beta^t in fp64 by binary exponentiation (libdevice pow does not exist in the
     # interpreter): a few fp64 ulps from C's pow, far below the fp32 rounding that follows.
-    # The betas enter the bias corrections as fp64 (torch's for-loop and the reference use the
-    # Python floats).
     ti = (tl.load(step_ptr).to(tl.float64) + 1.0).to(tl.int64)
     e = ti
     pw1 = tl.full((), 1.0, tl.float64)
@@ -40,7 +41,7 @@ def adam_scalars(step_ptr, lr_ptr, scale_ptr, norm_ptr, lr, beta1_bits, beta2_bi
         x1 = x1 * x1
         x2 = x2 * x2
         e = e >> 1
-    step_size = (lr32.to(tl.float64) / (1.0 - pw1)).to(tl.float32)
+    step_size = (lr64 / (1.0 - pw1)).to(tl.float32)
     inv_bc2_sqrt = (1.0 / tl.sqrt(1.0 - pw2)).to(tl.float32)
     gm = tl.full((), 1.0, tl.float32)
     if HAS_SCALE:
@@ -56,12 +57,12 @@ def adam_scalars(step_ptr, lr_ptr, scale_ptr, norm_ptr, lr, beta1_bits, beta2_bi
     if MAXIMIZE:
         gm = -gm
     if DECOUPLED:
-        decay = lr32 * wd
+        decay = (lr64 * wd64).to(tl.float32)
         l2 = tl.full((), 0.0, tl.float32)
     else:
         decay = tl.full((), 0.0, tl.float32)
-        l2 = wd
-    return ti, lr32, b1, b2, eps32, step_size, inv_bc2_sqrt, gm, decay, l2
+        l2 = wd64.to(tl.float32)
+    return ti, b2, eps32, one_m_b1, one_m_b2, step_size, inv_bc2_sqrt, gm, decay, l2
 
 
 @triton.jit
@@ -81,10 +82,10 @@ def load_weight(p_ptr, master_ptr, offs, mask, DT: tl.constexpr, MODE: tl.conste
 
 
 @triton.jit
-def store_weight(w, p_ptr, master_ptr, offs, mask, seed, ti, slot, DT: tl.constexpr,
+def store_weight(w, p_ptr, master_ptr, offs, mask, seed, ti, stream, DT: tl.constexpr,
                  MODE: tl.constexpr):
     """adam_math.h::store_weight: the param (and its master) from the updated fp32 value; `offs`
-    is the logical element index, `slot` the tensor's position in the call (SR stream)."""
+    is the logical element index, `stream` the tensor's sr_stream (an int64 bit pattern)."""
     if MODE == 1:
         tl.store(master_ptr + offs, w, mask=mask)
         store_f32(p_ptr, offs, w, mask, DT)
@@ -99,11 +100,10 @@ def store_weight(w, p_ptr, master_ptr, offs, mask, seed, ti, slot, DT: tl.conste
         tl.store(p_ptr + offs, phi.to(tl.int32).to(tl.int16), mask=mask)
         tl.store(master_ptr + offs, lo.to(tl.int32).to(tl.int16), mask=mask)
     elif MODE == 3:
-        # bf16_bits_stochastic(w, random16(step_seed(seed, t), slot, index))
+        # bf16_bits_stochastic(w, random16(step_seed(seed, t), stream, index))
         sseed = seed.to(tl.uint64) ^ (ti.to(tl.uint64) * 0xD1B54A32D192ED03)
-        # random16(sseed, slot, index): splitmix64 finalizer, uint64 wrap-around
-        z = (sseed + 0x9E3779B97F4A7C15 * (slot.to(tl.uint64) + 1)
-             + offs.to(tl.uint64) * 0xBF58476D1CE4E5B9)
+        # random16(sseed, stream, index): splitmix64 finalizer, uint64 wrap-around
+        z = sseed + stream.to(tl.uint64) + offs.to(tl.uint64) * 0xBF58476D1CE4E5B9
         z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
         z = (z ^ (z >> 27)) * 0x94D049BB133111EB
         z = z ^ (z >> 31)

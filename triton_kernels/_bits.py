@@ -20,6 +20,14 @@ def f64_bits(x: float) -> int:
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
+def i64_bits(x: int) -> int:
+    """A uint64 kernel argument as the int64 with its bits: always an integer type that the
+    kernel's .to(tl.uint64) turns back into the same bits (so a value never changes the
+    argument's type between i64 and u64, nor recompiles the kernel)."""
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >> 63 else x
+
+
 @triton.jit
 def f64_from_bits(b):
     return tl.full((), b, tl.int64).to(tl.float64, bitcast=True)

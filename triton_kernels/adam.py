@@ -6,8 +6,9 @@ inside the kernel. A program returns at once when found_inf > 0, and the step co
 (found_inf <= 0) with one foreach op, so a skipped step changes nothing at all.
 
 Numerics, as the CPU kernel (csrc/cpu/adam_cpu.cpp): per-tensor scalars formed once per program
-(fp32 lr, eps, weight decay; step_size = fp32(lr / (1 - beta1^t)) and inv_bc2_sqrt =
-fp32(1 / sqrt(1 - beta2^t)) in fp64; grad_mult = fp32 1/grad_scale times the fp64 clip coefficient
+(fp32 beta2 and eps; 1 - beta1, 1 - beta2, lr * weight_decay, step_size = lr / (1 - beta1^t) and
+inv_bc2_sqrt = 1 / sqrt(1 - beta2^t) in fp64, each rounded to fp32 once; lr, betas and weight decay
+travel as fp64 bit patterns; grad_mult = fp32 1/grad_scale times the fp64 clip coefficient
 rounded to fp32, negated for maximize), then the per-element math in fp32 in adam_element's order,
 with correctly rounded sqrt and division and no FMA contraction (enable_fp_fusion=False: compiled
 and interpreted runs round alike). One deliberate difference: beta^t uses the fp64 betas (torch's
@@ -16,7 +17,7 @@ on the bias corrections; fp64 arguments travel exactly, as bit patterns: _bits.f
 kernel's per-ISA clones may contract to FMA, so fp32 results agree with it to a few ulps, not
 bitwise. 16-bit stores use integer ops (bf16 round to nearest
 even, remainder split with ties away from zero, stochastic rounding from the same splitmix64
-stream: tensor slot = index among the non-empty tensors of the call, element index = logical
+stream: the tensor's sr_stream(param_ids[i], elem_offsets[i]), element index = logical
 row-major index, so given the same fp32 value the result is bit-identical to the reference's).
 
 Layouts: 64-bit offsets. A tensor whose operands are all dense with the param's strides is updated
@@ -30,7 +31,8 @@ import triton
 import triton.language as tl
 
 from mpfused.triton_kernels._adam_scalars import adam_scalars, load_weight, store_weight
-from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, load_f32,
+from mpfused.reference.adam import sr_streams
+from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, i64_bits, load_f32,
                                           num_warps_for)
 from mpfused.triton_kernels._device import on_tensors_device
 
@@ -39,10 +41,11 @@ _M64 = (1 << 64) - 1
 _NO_MASTER, _FP32_MASTER, _REMAINDER, _STOCHASTIC = 0, 1, 2, 3
 
 
-@triton.jit(do_not_specialize=["beta1_bits", "beta2_bits", "mgn_bits", "seed", "slot"])
+@triton.jit(do_not_specialize=["lr_bits", "beta1_bits", "beta2_bits", "wd_bits", "mgn_bits",
+                               "seed", "stream"])
 def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, step_ptr, lr_ptr, scale_ptr,
-                 found_ptr, norm_ptr, n, lr, beta1_bits, beta2_bits, eps, weight_decay, mgn_bits,
-                 seed, slot, DT: tl.constexpr, MODE: tl.constexpr, AMSGRAD: tl.constexpr,
+                 found_ptr, norm_ptr, n, lr_bits, beta1_bits, beta2_bits, eps, wd_bits, mgn_bits,
+                 seed, stream, DT: tl.constexpr, MODE: tl.constexpr, AMSGRAD: tl.constexpr,
                  DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_LR: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_FOUND: tl.constexpr, HAS_NORM: tl.constexpr,
                  BLOCK: tl.constexpr):
@@ -51,11 +54,9 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, step_ptr, lr_
             return
 
     # ---- per-tensor scalars (adam_math.h::adam_scalars) ---------------------------------------
-    ti, lr32, b1, b2, eps32, step_size, inv_bc2_sqrt, gm, decay, l2 = adam_scalars(
-        step_ptr, lr_ptr, scale_ptr, norm_ptr, lr, beta1_bits, beta2_bits, eps, weight_decay,
+    ti, b2, eps32, one_m_b1, one_m_b2, step_size, inv_bc2_sqrt, gm, decay, l2 = adam_scalars(
+        step_ptr, lr_ptr, scale_ptr, norm_ptr, lr_bits, beta1_bits, beta2_bits, eps, wd_bits,
         mgn_bits, HAS_LR, HAS_SCALE, HAS_NORM, MAXIMIZE, DECOUPLED)
-    one_m_b1 = 1.0 - b1
-    one_m_b2 = 1.0 - b2
 
     # ---- elements (adam_math.h::adam_element) -------------------------------------------------
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit indexing
@@ -81,7 +82,7 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, step_ptr, lr_
 
     tl.store(m_ptr + offs, m, mask=mask)
     tl.store(v_ptr + offs, v, mask=mask)
-    store_weight(w, p_ptr, master_ptr, offs, mask, seed, ti, slot, DT, MODE)
+    store_weight(w, p_ptr, master_ptr, offs, mask, seed, ti, stream, DT, MODE)
 
 
 def _kernel_mode(dtype: torch.dtype, master_mode: int) -> int:
@@ -178,15 +179,16 @@ def _stage(tensors, mutated, logical_order):
 def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, lr,
                lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled,
                master_mode, grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0,
-               seed=0):
+               seed=0, param_ids=(), elem_offsets=()):
     if not params:
         return
     _check(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, amsgrad,
            master_mode, lr_tensor, grad_scale, found_inf, norm_sq)
+    streams = sr_streams(len(params), param_ids, elem_offsets)
     has_norm = norm_sq is not None and max_grad_norm > 0
     seed_u64 = int(seed) & _M64
     b1_bits, b2_bits, mgn_bits = f64_bits(beta1), f64_bits(beta2), f64_bits(max_grad_norm)
-    slot = 0
+    lr_bits, wd_bits = f64_bits(lr), f64_bits(weight_decay)
     for i, p in enumerate(params):
         if p.numel() == 0:
             continue
@@ -206,8 +208,8 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, s
             grad_scale if grad_scale is not None else dummy,
             found_inf if found_inf is not None else dummy,
             norm_sq if has_norm else dummy,
-            n, float(lr), b1_bits, b2_bits, float(eps), float(weight_decay), mgn_bits,
-            seed_u64, slot,
+            n, lr_bits, b1_bits, b2_bits, float(eps), wd_bits, mgn_bits,
+            seed_u64, i64_bits(streams[i]),
             DT=DTYPE_CODE[p.dtype], MODE=mode, AMSGRAD=bool(amsgrad), DECOUPLED=bool(decoupled),
             MAXIMIZE=bool(maximize), HAS_LR=lr_tensor is not None,
             HAS_SCALE=grad_scale is not None, HAS_FOUND=found_inf is not None,
@@ -215,7 +217,6 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, s
             enable_fp_fusion=False)  # no FMA contraction: interpreted and compiled runs agree
         for orig, staged in back:
             orig.copy_(staged)  # a skipped step wrote nothing: the copy-back restores the same
-        slot += 1
     # Step counters advance only on a taken step, decided on device (no host sync).
     if found_inf is None:
         torch._foreach_add_(list(steps), 1)

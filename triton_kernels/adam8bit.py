@@ -5,8 +5,8 @@ portable to the interpreter). The per-element math is csrc/include/mpfused/adam_
 quant8_math.h transcribed: IEEE division and square root (div_rn/sqrt_rn, not Triton's
 approximate defaults), the binary search over the decision thresholds, bitsandbytes' sign rule.
 Everything a step depends on is read on device (step counter, lr tensor, grad_scale, found_inf,
-norm_sq): no host sync. Per-tensor scalars are formed as in triton_kernels/adam.py (fp64 betas,
-beta^t by binary exponentiation: a few fp64 ulps from C's pow, below the fp32 rounding that
+norm_sq): no host sync. Per-tensor scalars are formed as in triton_kernels/adam.py (constants
+derived in fp64 and rounded once, beta^t by binary exponentiation: a few fp64 ulps from C's pow, below the fp32 rounding that
 follows); no FMA contraction.
 """
 from __future__ import annotations
@@ -17,7 +17,8 @@ import triton.language as tl
 
 from mpfused.quant_maps import thresholds, zero_code
 from mpfused.triton_kernels._adam_scalars import adam_scalars, load_weight, store_weight
-from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, load_f32,
+from mpfused.reference.adam import sr_streams
+from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, i64_bits, load_f32,
                                           num_warps_for)
 from mpfused.triton_kernels._device import on_tensors_device
 from mpfused.triton_kernels.adam import _kernel_mode
@@ -40,11 +41,12 @@ def _encode(thr_ptr, x):
     return c
 
 
-@triton.jit(do_not_specialize=["beta1_bits", "beta2_bits", "mgn_bits", "zero_code", "seed", "slot"])
+@triton.jit(do_not_specialize=["lr_bits", "beta1_bits", "beta2_bits", "wd_bits", "mgn_bits",
+                               "zero_code", "seed", "stream"])
 def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_ptr, map2_ptr,
                      thr1_ptr, thr2_ptr, step_ptr, lr_ptr, scale_ptr, found_ptr, norm_ptr,
-                     n, lr, beta1_bits, beta2_bits, eps, weight_decay, mgn_bits, zero_code,
-                     seed, slot, DT: tl.constexpr, MODE: tl.constexpr,
+                     n, lr_bits, beta1_bits, beta2_bits, eps, wd_bits, mgn_bits, zero_code,
+                     seed, stream, DT: tl.constexpr, MODE: tl.constexpr,
                      DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_LR: tl.constexpr,
                      HAS_SCALE: tl.constexpr, HAS_FOUND: tl.constexpr, HAS_NORM: tl.constexpr,
                      BLOCK: tl.constexpr):
@@ -55,8 +57,8 @@ def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_p
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit indexing
     mask = offs < n
     # ---- per-tensor scalars (adam_math.h::adam_scalars), shared with triton_kernels/adam.py ----
-    ti, lr32, b1, b2, eps32, step_size, inv_bc2_sqrt, gm, decay, l2 = adam_scalars(
-        step_ptr, lr_ptr, scale_ptr, norm_ptr, lr, beta1_bits, beta2_bits, eps, weight_decay,
+    ti, b2, eps32, one_m_b1, one_m_b2, step_size, inv_bc2_sqrt, gm, decay, l2 = adam_scalars(
+        step_ptr, lr_ptr, scale_ptr, norm_ptr, lr_bits, beta1_bits, beta2_bits, eps, wd_bits,
         mgn_bits, HAS_LR, HAS_SCALE, HAS_NORM, MAXIMIZE, DECOUPLED)
     # ---- fp32 value of the param ----
     w = load_weight(p_ptr, w_ptr, offs, mask, DT, MODE)
@@ -70,12 +72,12 @@ def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_p
     if not DECOUPLED:  # Adam's L2 term (when nonzero); AdamW leaves g as it is, like torch
         g = tl.where(l2 != 0.0, g + l2 * w, g)
     w = w - decay * w
-    m = m + (1.0 - b1) * (g - m)
-    v = b2 * v + (1.0 - b2) * (g * g)
+    m = m + one_m_b1 * (g - m)
+    v = b2 * v + one_m_b2 * (g * g)
     denom = tl.sqrt_rn(v) * inv_bc2_sqrt + eps32
     w = w - tl.div_rn(step_size * m, denom)
     # ---- store the param ----
-    store_weight(w, p_ptr, w_ptr, offs, mask, seed, ti, slot, DT, MODE)
+    store_weight(w, p_ptr, w_ptr, offs, mask, seed, ti, stream, DT, MODE)
     # ---- new absmax of the updated moments, requantize ----
     # max over the bit patterns of |x| (as the CPU and CUDA kernels): ordered as the floats, and a
     # NaN moment (above inf) gives a NaN absmax; tl.max on floats would skip the NaN
@@ -102,9 +104,10 @@ def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_p
 def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters, steps,
                    qmap1, qmap2, block_size, lr, lr_tensor, beta1, beta2, eps, weight_decay,
                    maximize, decoupled, master_mode, grad_scale=None, found_inf=None,
-                   norm_sq=None, max_grad_norm=0.0, seed=0):
+                   norm_sq=None, max_grad_norm=0.0, seed=0, param_ids=(), elem_offsets=()):
     if not params:
         return
+    streams = sr_streams(len(params), param_ids, elem_offsets)
     if block_size not in (64, 128, 256, 512, 1024, 2048, 4096):
         raise ValueError(f"mpfused: block_size must be a power of two in [64, 4096], got {block_size}")
     dev = params[0].device
@@ -120,8 +123,8 @@ def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, mas
     zc = zero_code(qmap1)
     has_norm = norm_sq is not None and max_grad_norm > 0
     b1_bits, b2_bits, mgn_bits = f64_bits(beta1), f64_bits(beta2), f64_bits(max_grad_norm)
+    lr_bits, wd_bits = f64_bits(lr), f64_bits(weight_decay)
     dummy = torch.zeros(1, dtype=torch.float32, device=dev)
-    slot = 0
     for i, p in enumerate(params):
         if p.numel() == 0:
             continue
@@ -138,8 +141,8 @@ def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, mas
             grad_scale if grad_scale is not None else dummy,
             found_inf if found_inf is not None else dummy,
             norm_sq if has_norm else dummy,
-            p.numel(), float(lr), b1_bits, b2_bits, float(eps), float(weight_decay), mgn_bits,
-            zc, int(seed) & _M64, slot,
+            p.numel(), lr_bits, b1_bits, b2_bits, float(eps), wd_bits, mgn_bits,
+            zc, int(seed) & _M64, i64_bits(streams[i]),
             DT=DTYPE_CODE[p.dtype], MODE=mode, DECOUPLED=bool(decoupled), MAXIMIZE=bool(maximize),
             HAS_LR=lr_tensor is not None, HAS_SCALE=grad_scale is not None,
             HAS_FOUND=found_inf is not None, HAS_NORM=has_norm, BLOCK=block_size,
@@ -149,7 +152,6 @@ def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, mas
             p.copy_(pk)  # a skipped step wrote nothing: the copy-back restores the same
         if wk is not w:
             w.copy_(wk)
-        slot += 1
     # Step counters advance only on a taken step, decided on device (no host sync).
     if found_inf is None:
         torch._foreach_add_(list(steps), 1)

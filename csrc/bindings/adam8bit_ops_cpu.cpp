@@ -25,7 +25,7 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
                        const std::optional<at::Tensor>& grad_scale,
                        const std::optional<at::Tensor>& found_inf,
                        const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
-                       int64_t seed) {
+                       int64_t seed, at::IntArrayRef param_ids, at::IntArrayRef elem_offsets) {
   if (params.empty()) return;
   const at::Device dev =
       check_adam8bit_args(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters,
@@ -61,9 +61,11 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
   lists.numel = v.numel;
   lists.dtype = v.dtype;
   lists.size = v.size;
-  cpu::Adam8bitConfig cfg{float(lr_tensor ? lr_tensor->item<double>() : lr), beta1, beta2,
-                          float(eps), float(weight_decay), *grad_mult, maximize,
-                          decoupled, int32_t(master_mode), uint64_t(seed), block_size, q1,
+  const std::vector<uint64_t> streams =
+      sr_streams(param_ids, elem_offsets, params.size(), packed.index);
+  cpu::Adam8bitConfig cfg{host_lr(lr, lr_tensor), beta1, beta2, float(eps), weight_decay,
+                          *grad_mult, maximize, decoupled, int32_t(master_mode),
+                          uint64_t(seed), streams.data(), block_size, q1,
                           qmap2.data_ptr<float>(), int32_t(zero_code)};
   cpu::adam8bit_step(lists, t.data(), cfg, at::get_num_threads());
   packed.finish();

@@ -25,7 +25,7 @@ void adam8bit_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
                         const std::optional<at::Tensor>& grad_scale,
                         const std::optional<at::Tensor>& found_inf,
                         const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
-                        int64_t seed) {
+                        int64_t seed, at::IntArrayRef param_ids, at::IntArrayRef elem_offsets) {
   if (params.empty()) return;
   const at::Device dev =
       check_adam8bit_args(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters,
@@ -62,6 +62,9 @@ void adam8bit_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
     lists.data[cuda::kQ8Absmax1] = am1.data();
     lists.data[cuda::kQ8Absmax2] = am2.data();
     lists.data[cuda::kQ8Step] = step_ptrs.data();
+    const std::vector<void*> streams = stream_operand(param_ids, elem_offsets, params.size(),
+                                                      packed.index);
+    lists.data[cuda::kQ8Stream] = streams.data();
     lists.numel = packed.numel.data();
     lists.dtype = packed.dtype.data();
     lists.size = int64_t(packed.numel.size());

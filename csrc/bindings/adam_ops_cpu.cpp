@@ -15,7 +15,8 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
                    double eps, double weight_decay, bool amsgrad, bool maximize, bool decoupled,
                    int64_t master_mode, const std::optional<at::Tensor>& grad_scale,
                    const std::optional<at::Tensor>& found_inf,
-                   const std::optional<at::Tensor>& norm_sq, double max_grad_norm, int64_t seed) {
+                   const std::optional<at::Tensor>& norm_sq, double max_grad_norm, int64_t seed,
+                   at::IntArrayRef param_ids, at::IntArrayRef elem_offsets) {
   if (params.empty()) return;
   check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, amsgrad,
                   master_mode, grad_scale, found_inf, norm_sq);
@@ -30,9 +31,11 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
                         /*require_logical_order=*/master_mode == kStochastic);  // the SR stream
                                                   // is indexed in logical (row-major) order
   const std::vector<double> t = cpu_next_steps(steps, packed.index);
-  cpu::AdamConfig cfg{float(lr_tensor ? lr_tensor->item<double>() : lr), beta1, beta2,
-                      float(eps), float(weight_decay), *grad_mult, amsgrad,
-                      maximize, decoupled, int32_t(master_mode), uint64_t(seed)};
+  const std::vector<uint64_t> streams =
+      sr_streams(param_ids, elem_offsets, params.size(), packed.index);
+  cpu::AdamConfig cfg{host_lr(lr, lr_tensor), beta1, beta2, float(eps), weight_decay,
+                      *grad_mult, amsgrad, maximize, decoupled, int32_t(master_mode),
+                      uint64_t(seed), streams.data()};
   cpu::adam_step(packed.view(), t.data(), cfg, at::get_num_threads());
   packed.finish();
   cpu_advance_steps(steps);

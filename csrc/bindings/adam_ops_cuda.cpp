@@ -21,7 +21,8 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
                     double eps, double weight_decay, bool amsgrad, bool maximize, bool decoupled,
                     int64_t master_mode, const std::optional<at::Tensor>& grad_scale,
                     const std::optional<at::Tensor>& found_inf,
-                    const std::optional<at::Tensor>& norm_sq, double max_grad_norm, int64_t seed) {
+                    const std::optional<at::Tensor>& norm_sq, double max_grad_norm, int64_t seed,
+                    at::IntArrayRef param_ids, at::IntArrayRef elem_offsets) {
   if (params.empty()) return;
   const at::Device dev =
       check_adam_args(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps,
@@ -50,6 +51,9 @@ void adam_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList 
     TensorLists<cuda::kAdamDepth> lists;
     for (int k = 0; k < 6; ++k) lists.data[k] = packed.ptrs[k].data();
     lists.data[cuda::kStep] = step_ptrs.data();
+    const std::vector<void*> streams = stream_operand(param_ids, elem_offsets, params.size(),
+                                                      packed.index);
+    lists.data[cuda::kStream] = streams.data();
     lists.numel = packed.numel.data();
     lists.dtype = packed.dtype.data();
     lists.size = int64_t(packed.numel.size());

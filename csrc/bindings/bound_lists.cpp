@@ -18,8 +18,11 @@ namespace {
 struct BoundLists : torch::CustomClassHolder {
   std::vector<at::Tensor> tensors;  // the lists one after another
   std::vector<int64_t> starts;      // list k is tensors[starts[k], starts[k + 1])
+  std::vector<int64_t> param_ids, elem_offsets;  // the ops' stochastic-rounding keys, bound too
 
-  BoundLists(at::TensorList flat, at::IntArrayRef lengths) : tensors(flat.vec()) {
+  BoundLists(at::TensorList flat, at::IntArrayRef lengths, at::IntArrayRef param_ids,
+             at::IntArrayRef elem_offsets)
+      : tensors(flat.vec()), param_ids(param_ids.vec()), elem_offsets(elem_offsets.vec()) {
     starts.push_back(0);
     for (int64_t n : lengths) {
       TORCH_CHECK(n >= 0, "mpfused: BoundLists lengths must be non-negative, got ", n);
@@ -51,7 +54,7 @@ struct BoundLists : torch::CustomClassHolder {
                                .typed<AdamStepFn>();
     op.call(list(0), grads, list(1), list(2), list(3), list(4), list(5), lr, lr_tensor, beta1,
             beta2, eps, weight_decay, amsgrad, maximize, decoupled, master_mode, grad_scale,
-            found_inf, norm_sq, max_grad_norm, seed);
+            found_inf, norm_sq, max_grad_norm, seed, param_ids, elem_offsets);
   }
 
   void adam8bit_step_(at::TensorList grads, const at::Tensor& qmap1, const at::Tensor& qmap2,
@@ -69,7 +72,8 @@ struct BoundLists : torch::CustomClassHolder {
                                .typed<Adam8bitStepFn>();
     op.call(list(0), grads, list(1), list(2), list(3), list(4), list(5), list(6), qmap1, qmap2,
             block_size, lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize, decoupled,
-            master_mode, grad_scale, found_inf, norm_sq, max_grad_norm, seed);
+            master_mode, grad_scale, found_inf, norm_sq, max_grad_norm, seed, param_ids,
+            elem_offsets);
   }
 };
 
@@ -78,7 +82,7 @@ struct BoundLists : torch::CustomClassHolder {
 // A fragment: the namespace's op schemas are defined from Python (mpfused/ops/registry.py).
 TORCH_LIBRARY_FRAGMENT(mpfused, m) {
   m.class_<BoundLists>("BoundLists")
-      .def(torch::init<at::TensorList, at::IntArrayRef>())
+      .def(torch::init<at::TensorList, at::IntArrayRef, at::IntArrayRef, at::IntArrayRef>())
       .def("adam_step_", &BoundLists::adam_step_)
       .def("adam8bit_step_", &BoundLists::adam8bit_step_);
 }

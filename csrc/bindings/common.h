@@ -185,24 +185,51 @@ inline at::Device check_adam8bit_args(at::TensorList params, at::TensorList grad
 
 // The learning rate a kernel reads: a tensor on the params' device stays there (read by the
 // kernel: capturable); a CPU tensor or a float is a host value (a host read, not a device sync).
+// A float lr stays double (adam_scalars derives lr * weight_decay and the step size in double);
+// a tensor lr is read as its float32 value on every backend (device kernels read float32).
 struct LrArg {
-  float value;
+  double value;
   at::Tensor device_tensor;  // undefined unless the kernel reads lr on the device
 };
 
+inline double host_lr(double lr, const std::optional<at::Tensor>& lr_tensor) {
+  return lr_tensor ? double(float(lr_tensor->item<double>())) : lr;
+}
+
 inline LrArg resolve_lr(double lr, const std::optional<at::Tensor>& lr_tensor,
                         const at::Device& dev) {
-  LrArg out{float(lr), at::Tensor()};
+  LrArg out{lr, at::Tensor()};
   if (!lr_tensor) return out;
   TORCH_CHECK(lr_tensor->numel() == 1, "mpfused: lr_tensor must have one element, got ",
               lr_tensor->sizes());
   if (lr_tensor->device().is_cpu()) {
-    out.value = float(lr_tensor->item<double>());
+    out.value = host_lr(lr, lr_tensor);
   } else {
     TORCH_CHECK(lr_tensor->device() == dev, "mpfused: lr_tensor must be on ", dev,
                 " (the params' device) or on the CPU, got ", lr_tensor->device());
     out.device_tensor =
         lr_tensor->scalar_type() == at::kFloat ? *lr_tensor : lr_tensor->to(at::kFloat);
+  }
+  return out;
+}
+
+// The stochastic-rounding stream of each packed tensor (adam_math.h::sr_stream). param_ids and
+// elem_offsets have one entry per tensor of the caller's lists, or none: the tensor's position
+// in the call, offset 0. `index`: the packed tensors' positions in the caller's lists.
+inline std::vector<uint64_t> sr_streams(at::IntArrayRef param_ids, at::IntArrayRef elem_offsets,
+                                        size_t n, const std::vector<int64_t>& index) {
+  TORCH_CHECK(param_ids.empty() || param_ids.size() == n, "mpfused: param_ids must be empty or "
+              "have one entry per param (", n, "), got ", param_ids.size());
+  TORCH_CHECK(elem_offsets.empty() || elem_offsets.size() == n, "mpfused: elem_offsets must be "
+              "empty or have one entry per param (", n, "), got ", elem_offsets.size());
+  std::vector<uint64_t> out(index.size());
+  for (size_t j = 0; j < index.size(); ++j) {
+    const int64_t i = index[j];
+    const int64_t id = param_ids.empty() ? i : param_ids[i];
+    const int64_t off = elem_offsets.empty() ? 0 : elem_offsets[i];
+    TORCH_CHECK(id >= 0 && off >= 0, "mpfused: param_ids and elem_offsets must be >= 0, got ",
+                id, " and ", off, " for params[", i, "]");
+    out[j] = sr_stream(uint64_t(id), uint64_t(off));
   }
   return out;
 }
@@ -220,7 +247,7 @@ void fill_adam_config(Config& cfg, const LrArg& lr_arg, double beta1, double bet
   cfg.beta1 = beta1;
   cfg.beta2 = beta2;
   cfg.eps = float(eps);
-  cfg.weight_decay = float(weight_decay);
+  cfg.weight_decay = weight_decay;
   cfg.grad_scale = grad_scale ? grad_scale->data_ptr<float>() : nullptr;
   cfg.found_inf = found_inf ? found_inf->data_ptr<float>() : nullptr;
   cfg.norm_sq = norm_sq ? norm_sq->data_ptr<float>() : nullptr;

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "../cuda/adam_cuda.h"
+#include "common.h"
 
 namespace mpfused::bind {
 
@@ -20,6 +21,16 @@ inline void advance_steps_cuda(at::TensorList steps, const std::optional<at::Ten
   C10_CUDA_CHECK(cuda::increment_steps(all_steps.data(), int64_t(all_steps.size()),
                                        found_inf ? found_inf->data_ptr<float>() : nullptr,
                                        stream));
+}
+
+// The kStream / kQ8Stream operand: each packed tensor's sr_stream, carried as a pointer-sized value
+// in the launch metadata (common.h::sr_streams).
+inline std::vector<void*> stream_operand(at::IntArrayRef param_ids, at::IntArrayRef elem_offsets,
+                                         size_t n, const std::vector<int64_t>& index) {
+  const std::vector<uint64_t> streams = sr_streams(param_ids, elem_offsets, n, index);
+  std::vector<void*> out(streams.size());
+  for (size_t j = 0; j < out.size(); ++j) out[j] = reinterpret_cast<void*>(uintptr_t(streams[j]));
+  return out;
 }
 
 }  // namespace mpfused::bind

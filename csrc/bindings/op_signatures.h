@@ -17,7 +17,7 @@ using AdamStepFn = void(at::TensorList params, at::TensorList grads, at::TensorL
                         const std::optional<at::Tensor>& grad_scale,
                         const std::optional<at::Tensor>& found_inf,
                         const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
-                        int64_t seed);
+                        int64_t seed, at::IntArrayRef param_ids, at::IntArrayRef elem_offsets);
 
 using Adam8bitStepFn = void(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                             at::TensorList exp_avg_sqs, at::TensorList absmax1s,
@@ -30,6 +30,7 @@ using Adam8bitStepFn = void(at::TensorList params, at::TensorList grads, at::Ten
                             const std::optional<at::Tensor>& grad_scale,
                             const std::optional<at::Tensor>& found_inf,
                             const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
-                            int64_t seed);
+                            int64_t seed, at::IntArrayRef param_ids,
+                            at::IntArrayRef elem_offsets);
 
 }  // namespace mpfused::bind

@@ -160,7 +160,7 @@ MPF_HD void requantize(const float* __restrict mb, const float* __restrict vb, u
 // gathers; interleaved, each hides the other (about 1.3x faster than the two passes in turn).
 template <typename T, int MODE, bool LUT, bool VBMI = false>
 MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t block,
-                           const AdamScalars& s, const Maps& mp, uint64_t seed, int64_t tensor) {
+                           const AdamScalars& s, const Maps& mp, uint64_t seed, uint64_t stream) {
   T* __restrict p = static_cast<T*>(ops[kQParam]) + begin;
   const T* __restrict g = static_cast<const T*>(ops[kQGrad]) + begin;
   uint8_t* __restrict c1 = static_cast<uint8_t*>(ops[kQExpAvg]) + begin;
@@ -229,7 +229,7 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
           float v = VBMI ? d2[j] * a2 : quant8_decode(map2, in2[j], a2);
           float unused = 0.f;
           adam_element<false>(w, to_f32(g[i]), m, v, unused, sc);
-          store_weight<T, MODE>(w, p, master, rem, i, seed, tensor, begin + i);
+          store_weight<T, MODE>(w, p, master, rem, i, seed, stream, begin + i);
           mc[j] = m;
           vc[j] = v;
           const uint32_t b1 = f32_bits(fabsf(m)), b2 = f32_bits(fabsf(v));
@@ -268,18 +268,18 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
 
 #define MPF_8BIT_CHUNK_ARGS                                                                     \
   void* const* ops, int64_t begin, int64_t n, int64_t block, const AdamScalars& s,              \
-      const Maps& mp, uint64_t seed, int64_t tensor
+      const Maps& mp, uint64_t seed, uint64_t stream
 using ChunkFn = void (*)(MPF_8BIT_CHUNK_ARGS);
 
 template <typename T, int MODE, bool LUT>
-void chunk_base(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT>(ops, begin, n, block, s, mp, seed, tensor); }
+void chunk_base(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT>(ops, begin, n, block, s, mp, seed, stream); }
 #if MPF_8BIT_ISAS
 template <typename T, int MODE, bool LUT>
-MPF_8BIT_V3 void chunk_v3(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT>(ops, begin, n, block, s, mp, seed, tensor); }
+MPF_8BIT_V3 void chunk_v3(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT>(ops, begin, n, block, s, mp, seed, stream); }
 template <typename T, int MODE, bool LUT>
-MPF_8BIT_V4 void chunk_v4(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT>(ops, begin, n, block, s, mp, seed, tensor); }
+MPF_8BIT_V4 void chunk_v4(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT>(ops, begin, n, block, s, mp, seed, stream); }
 template <typename T, int MODE, bool LUT>
-MPF_8BIT_VBMI void chunk_vbmi(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT, true>(ops, begin, n, block, s, mp, seed, tensor); }
+MPF_8BIT_VBMI void chunk_vbmi(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT, true>(ops, begin, n, block, s, mp, seed, stream); }
 #endif
 
 #if MPF_8BIT_ISAS
@@ -350,7 +350,7 @@ void adam8bit_step(const TensorLists<7>& t, const double* step, const Adam8bitCo
     void* ops[7];
     for (int d = 0; d < 7; ++d) ops[d] = t.data[d][ch.tensor];
     kernels[ch.tensor](ops, ch.begin, ch.end - ch.begin, c.block_size, scalars[ch.tensor], mp,
-                       seeds[ch.tensor], ch.tensor);
+                       seeds[ch.tensor], c.streams[ch.tensor]);
   }
 }
 

@@ -18,13 +18,14 @@ enum Adam8bitOperand {
 };
 
 struct Adam8bitConfig {
-  float lr;
-  double beta1, beta2;  // unrounded: the bias corrections use them as torch does
-  float eps, weight_decay;
+  double lr, beta1, beta2;  // unrounded: adam_scalars derives its constants in double
+  float eps;
+  double weight_decay;
   float grad_mult;  // inv_scale * clip coefficient
   bool maximize, decoupled;
   int32_t master_mode;  // MasterMode
   uint64_t seed;        // stochastic rounding stream
+  const uint64_t* streams;  // streams[i]: tensor i's sr_stream (stochastic rounding)
   int64_t block_size;   // a power of two in [64, 4096]
   const float* map1;    // signed map, 256 sorted floats, +0 at zero_code1
   const float* map2;    // unsigned map, 256 sorted floats

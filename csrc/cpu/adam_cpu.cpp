@@ -10,7 +10,7 @@ namespace {
 
 template <typename T, int MODE, bool AMSGRAD>
 MPF_CPU_MULTIVERSION void adam_chunk(void* const* ops, int64_t begin, int64_t n, const AdamScalars& s, uint64_t seed,
-                int64_t tensor) {
+                uint64_t stream) {
   T* __restrict p = static_cast<T*>(ops[kParam]) + begin;
   const T* __restrict g = static_cast<const T*>(ops[kGrad]) + begin;
   float* __restrict m = static_cast<float*>(ops[kExpAvg]) + begin;
@@ -24,11 +24,11 @@ MPF_CPU_MULTIVERSION void adam_chunk(void* const* ops, int64_t begin, int64_t n,
     float vm = AMSGRAD ? vmax[i] : 0.f;
     adam_element<AMSGRAD>(w, to_f32(g[i]), m[i], v[i], vm, s);
     if (AMSGRAD) vmax[i] = vm;
-    store_weight<T, MODE>(w, p, master, rem, i, seed, tensor, begin + i);
+    store_weight<T, MODE>(w, p, master, rem, i, seed, stream, begin + i);
   }
 }
 
-using ChunkFn = void (*)(void* const*, int64_t, int64_t, const AdamScalars&, uint64_t, int64_t);
+using ChunkFn = void (*)(void* const*, int64_t, int64_t, const AdamScalars&, uint64_t, uint64_t);
 
 template <typename T, int MODE>
 ChunkFn pick_ams(bool ams) {
@@ -68,7 +68,8 @@ void adam_step(const TensorLists<6>& t, const double* step, const AdamConfig& c,
     const Chunk& ch = chunks[k];
     void* ops[6];
     for (int d = 0; d < 6; ++d) ops[d] = t.data[d][ch.tensor];
-    kernels[ch.tensor](ops, ch.begin, ch.end - ch.begin, scalars[ch.tensor], seeds[ch.tensor], ch.tensor);
+    kernels[ch.tensor](ops, ch.begin, ch.end - ch.begin, scalars[ch.tensor], seeds[ch.tensor],
+                       c.streams[ch.tensor]);
   }
 }
 

@@ -9,13 +9,14 @@ namespace mpfused::cpu {
 enum AdamOperand { kParam = 0, kGrad = 1, kExpAvg = 2, kExpAvgSq = 3, kMaxExpAvgSq = 4, kMaster = 5 };
 
 struct AdamConfig {
-  float lr;
-  double beta1, beta2;  // unrounded for the bias corrections
-  float eps, weight_decay;
+  double lr, beta1, beta2;  // unrounded: adam_scalars derives its constants in double
+  float eps;
+  double weight_decay;
   float grad_mult;  // inv_scale * clip coefficient
   bool amsgrad, maximize, decoupled;
   int32_t master_mode;  // MasterMode
   uint64_t seed;        // stochastic rounding stream
+  const uint64_t* streams;  // streams[i]: tensor i's sr_stream (stochastic rounding)
 };
 
 // params (dtype[i]: fp32/fp16/bf16) and grads of the same dtype; exp_avg, exp_avg_sq,

@@ -132,7 +132,7 @@ __device__ __forceinline__ void tensor_scalars(const MtaChunk<kAdam8bitDepth>& c
     grad_mult *= float(coef < 1.0 ? coef : 1.0);  // std::min(1.0, coef): NaN gives 1
   }
   const double t = double(*static_cast<const float*>(c.ptr[kQ8Step])) + 1.0;
-  const float lr = cfg.lr_ptr != nullptr ? *cfg.lr_ptr : cfg.lr;
+  const double lr = cfg.lr_ptr != nullptr ? double(*cfg.lr_ptr) : cfg.lr;
   sh.scalars = adam_scalars(lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.decoupled,
                             cfg.maximize, grad_mult, t);
   sh.seed = step_seed(cfg.seed, t);
@@ -252,7 +252,8 @@ __device__ __forceinline__ void run_chunk(Shared& sh, const MtaChunk<kAdam8bitDe
           rv[j] = lo;
         } else if constexpr (MODE == kStochastic) {
           pv[j] = T{bf16_bits_stochastic(
-              w, random16(seed, uint64_t(c.tensor), uint64_t(c.begin + (e + j))))};
+              w, random16(seed, reinterpret_cast<uint64_t>(c.ptr[kQ8Stream]),
+                          uint64_t(c.begin + (e + j))))};
         } else {
           pv[j] = from_f32<T>(w);
         }

@@ -22,14 +22,16 @@ enum Adam8bitOperand {
   kQ8Absmax1 = 5,   // fp32 per block, exp_avg
   kQ8Absmax2 = 6,   // fp32 per block, exp_avg_sq
   kQ8Step = 7,      // float* to the tensor's 0-dim float32 step counter (read only)
+  kQ8Stream = 8,    // not a pointer: the tensor's sr_stream, by value (as adam_cuda.h's kStream)
 };
-constexpr int kAdam8bitDepth = 8;
+constexpr int kAdam8bitDepth = 9;
 
 struct Adam8bitConfig {
-  float lr;              // used when lr_ptr is null
+  double lr;             // used when lr_ptr is null
   const float* lr_ptr;   // null or a device float
-  double beta1, beta2;   // unrounded for the bias corrections (as torch)
-  float eps, weight_decay;
+  double beta1, beta2;   // unrounded: adam_scalars derives its constants in double (as torch)
+  float eps;
+  double weight_decay;
   const float* grad_scale;  // null or device float: grads are multiplied by 1 / *grad_scale
   const float* found_inf;   // null or device float: > 0 skips the step (nothing is written)
   const float* norm_sq;     // null or device float: sum of squares of the unscaled grads

@@ -29,16 +29,16 @@ __device__ __forceinline__ void store_vec(T* p, const VecN<T, V>& x) {
 }
 
 // One element: cpu::adam_chunk's loop body. `index` is the element's position in its tensor and
-// `tensor` the tensor's position in the packed list (the stochastic-rounding stream).
+// `stream` the tensor's sr_stream (the stochastic-rounding stream).
 template <typename T, int MODE, bool AMS>
 __device__ __forceinline__ void adam_one(T& p, T g, float& m, float& v, float& vmax,
                                          float& master, int16_t& rem, const AdamScalars& s,
-                                         uint64_t seed, int64_t tensor, int64_t index) {
+                                         uint64_t seed, uint64_t stream, int64_t index) {
   float w = load_weight<T, MODE>(&p, &master, &rem, 0);
   float vm = AMS ? vmax : 0.f;
   adam_element<AMS>(w, to_f32(g), m, v, vm, s);
   if (AMS) vmax = vm;
-  store_weight<T, MODE>(w, &p, &master, &rem, 0, seed, tensor, index);
+  store_weight<T, MODE>(w, &p, &master, &rem, 0, seed, stream, index);
 }
 
 // One chunk of one tensor: 4-element vectors (16 B for the fp32 operands, 8 B for 16-bit ones)
@@ -53,6 +53,7 @@ __device__ __forceinline__ void adam_range(const MtaChunk<kAdamDepth>& c, const 
   float* vmax = AMS ? static_cast<float*>(c.ptr[kMaxExpAvgSq]) + c.begin : nullptr;
   float* master = MODE == kFp32Master ? static_cast<float*>(c.ptr[kMaster]) + c.begin : nullptr;
   int16_t* rem = MODE == kRemainder ? static_cast<int16_t*>(c.ptr[kMaster]) + c.begin : nullptr;
+  const uint64_t stream = reinterpret_cast<uint64_t>(c.ptr[kStream]);
 
   constexpr int V = 4;
   const bool vec = is_aligned(p, V * sizeof(T)) && is_aligned(g, V * sizeof(T)) &&
@@ -75,7 +76,7 @@ __device__ __forceinline__ void adam_range(const MtaChunk<kAdamDepth>& c, const 
 #pragma unroll
     for (int k = 0; k < V; ++k)
       adam_one<T, MODE, AMS>(pv.v[k], gv.v[k], mv.v[k], vv.v[k], xv.v[k], wv.v[k], rv.v[k], s,
-                             seed, c.tensor, c.begin + i + k);
+                             seed, stream, c.begin + i + k);
     store_vec<T, V>(p + i, pv);
     store_vec<float, V>(m + i, mv);
     store_vec<float, V>(v + i, vv);
@@ -89,7 +90,7 @@ __device__ __forceinline__ void adam_range(const MtaChunk<kAdamDepth>& c, const 
     float xi = AMS ? vmax[i] : 0.f;
     float wi = MODE == kFp32Master ? master[i] : 0.f;
     int16_t ri = MODE == kRemainder ? rem[i] : int16_t(0);
-    adam_one<T, MODE, AMS>(pi, g[i], mi, vi, xi, wi, ri, s, seed, c.tensor, c.begin + i);
+    adam_one<T, MODE, AMS>(pi, g[i], mi, vi, xi, wi, ri, s, seed, stream, c.begin + i);
     p[i] = pi;
     m[i] = mi;
     v[i] = vi;
@@ -118,7 +119,7 @@ struct AdamFunctor {
         grad_mult *= float(coef < 1.0 ? coef : 1.0);  // std::min(1.0, coef): NaN gives 1
       }
       const double t = double(*static_cast<const float*>(c.ptr[kStep])) + 1.0;
-      const float lr = cfg.lr_ptr != nullptr ? *cfg.lr_ptr : cfg.lr;
+      const double lr = cfg.lr_ptr != nullptr ? double(*cfg.lr_ptr) : cfg.lr;
       sh_scalars = adam_scalars(lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay,
                                 cfg.decoupled, cfg.maximize, grad_mult, t);
       sh_seed = step_seed(cfg.seed, t);

@@ -13,14 +13,17 @@ namespace mpfused::cuda {
 enum AdamOperand {
   kParam = 0, kGrad = 1, kExpAvg = 2, kExpAvgSq = 3, kMaxExpAvgSq = 4, kMaster = 5,
   kStep = 6,  // float* to the tensor's 0-dim float32 step counter (read only, not indexed)
+  kStream = 7,  // not a pointer: the tensor's sr_stream (adam_math.h), carried by value in the
+                // launch metadata like the operands (no device table: capturable)
 };
-constexpr int kAdamDepth = 7;
+constexpr int kAdamDepth = 8;
 
 struct AdamConfig {
-  float lr;              // used when lr_ptr is null
+  double lr;             // used when lr_ptr is null
   const float* lr_ptr;   // null or a device float
-  double beta1, beta2;  // unrounded for the bias corrections (as torch)
-  float eps, weight_decay;
+  double beta1, beta2;   // unrounded: adam_scalars derives its constants in double (as torch)
+  float eps;
+  double weight_decay;
   const float* grad_scale;  // null or device float: grads are multiplied by 1 / *grad_scale
   const float* found_inf;   // null or device float: > 0 skips the step (nothing is written)
   const float* norm_sq;     // null or device float: sum of squares of the unscaled grads

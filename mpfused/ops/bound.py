@@ -6,7 +6,9 @@ C++ (~145 ns per tensor: 7 ms of a 10 ms call with 10,000 tensors and five lists
 ``BoundOp`` converts the fixed lists once, on its first native eager call, into
 ``torch.classes.mpfused.BoundLists`` (see csrc/bindings/bound_lists.cpp), and a step passes only
 the grads. Under ``torch.compile``, on the Triton or reference backend, or without the extension
-it calls the op with the plain lists, so every path computes the same thing.
+it calls the op with the plain lists, so every path computes the same thing. The op's trailing
+``param_ids`` and ``elem_offsets`` (the stochastic-rounding keys) are fixed per bucket too: they
+are bound with the lists, and a call passes every argument up to ``seed``.
 """
 from __future__ import annotations
 
@@ -19,11 +21,14 @@ _UNBUILT = object()
 
 
 class BoundOp:
-    """``op(lists[0], grads, *lists[1:], *rest)`` with ``lists`` bound once."""
+    """``op(lists[0], grads, *lists[1:], *rest, param_ids, elem_offsets)`` with ``lists``,
+    ``param_ids`` and ``elem_offsets`` bound once."""
 
-    def __init__(self, op: Op, lists: list[list[torch.Tensor]]):
+    def __init__(self, op: Op, lists: list[list[torch.Tensor]], param_ids=(), elem_offsets=()):
         self.op = op
         self.lists = lists
+        self.param_ids = [int(i) for i in param_ids]
+        self.elem_offsets = [int(o) for o in elem_offsets]
         self.device_type = lists[0][0].device.type if lists[0] else "cpu"
         self._native = _UNBUILT
 
@@ -35,7 +40,8 @@ class BoundOp:
             if _extension.load() is not None:
                 try:
                     self._native = torch.classes.mpfused.BoundLists(
-                        [t for tensors in self.lists for t in tensors], [len(t) for t in self.lists])
+                        [t for tensors in self.lists for t in tensors], [len(t) for t in self.lists],
+                        self.param_ids, self.elem_offsets)
                 except RuntimeError:  # a stale build: no such class
                     pass
         return self._native
@@ -44,4 +50,5 @@ class BoundOp:
         if (not torch.compiler.is_compiling() and self.op.chosen(self.device_type, backend) == "native"
                 and self.native() is not None):
             return getattr(self._native, self.op.name)(grads, *rest)
-        return self.op(self.lists[0], grads, *self.lists[1:], *rest, backend=backend)
+        return self.op(self.lists[0], grads, *self.lists[1:], *rest, self.param_ids,
+                       self.elem_offsets, backend=backend)

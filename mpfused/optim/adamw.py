@@ -29,6 +29,7 @@ from mpfused.ops import adam as adam_ops
 from mpfused.ops.bound import BoundOp
 from mpfused.optim._args import check_impl_flags, check_mpfused_args, check_torch_args
 from mpfused.optim._buckets import GroupPlan, build_buckets
+from mpfused.optim._streams import elem_offsets, flat_param_ids
 from mpfused.optim._masters import master_from_remainder, restore_fp32_param, split_master
 from mpfused.optim._state_table import epoch as state_epoch, tracked
 
@@ -271,11 +272,14 @@ class AdamW(Optimizer):
                         if mode == MASTER_MODES["remainder"] else []),
             "mode": mode,
             "local_params": [_local(p) for p in b.params],
+            # stochastic-rounding keys: flat param ids and shard offsets (optim/_streams.py)
+            "param_ids": flat_param_ids(self, group, b.indices),
+            "elem_offsets": elem_offsets(b.params),
         }
         s = b.state
         s["step_"] = BoundOp(adam_ops.adam_step_, [
             s["local_params"], s["exp_avgs"], s["exp_avg_sqs"], s["max_exp_avg_sqs"],
-            s["masters"], s["steps"]])
+            s["masters"], s["steps"]], s["param_ids"], s["elem_offsets"])
 
     # ---- step -------------------------------------------------------------------------------
     @torch.no_grad()

@@ -392,7 +392,7 @@ class AdamW8bit(AdamW):
             s = b.state
             s["step_"] = BoundOp(adam8bit_ops.adam8bit_step_, [
                 s["local_params"], s["exp_avgs"], s["exp_avg_sqs"], s["absmax1s"], s["absmax2s"],
-                s["masters"], s["steps"]])
+                s["masters"], s["steps"]], s["param_ids"], s["elem_offsets"])
 
     # ---- step: AdamW.step, with 8-bit buckets launched on the 8-bit kernel ----------------------
     def _launch(self, b, grads, group, hyper, scaling) -> None:

@@ -17,9 +17,27 @@ def _to_signed(x: int) -> int:
     return x - (1 << 64) if x >> 63 else x
 
 
-def random16(seed: int, tensor: int, index: torch.Tensor) -> torch.Tensor:
+def sr_stream(param_id: int, elem_offset: int = 0) -> int:
+    """csrc/include/mpfused/adam_math.h::sr_stream: the stochastic-rounding stream of a tensor."""
+    return _u64(0x9E3779B97F4A7C15 * (param_id + 1) + elem_offset * 0xBF58476D1CE4E5B9)
+
+
+def sr_streams(n: int, param_ids, elem_offsets) -> list[int]:
+    """Each of n tensors' sr_stream from the ops' param_ids / elem_offsets (empty: position i,
+    offset 0), checked as the native bindings check them."""
+    for name, lst in (("param_ids", param_ids), ("elem_offsets", elem_offsets)):
+        if len(lst) not in (0, n):
+            raise RuntimeError(f"mpfused: {name} must be empty or have one entry per param ({n}), "
+                               f"got {len(lst)}")
+        if any(int(x) < 0 for x in lst):
+            raise RuntimeError(f"mpfused: param_ids and elem_offsets must be >= 0, got {list(lst)}")
+    return [sr_stream(int(param_ids[i]) if len(param_ids) else i,
+                      int(elem_offsets[i]) if len(elem_offsets) else 0) for i in range(n)]
+
+
+def random16(seed: int, stream: int, index: torch.Tensor) -> torch.Tensor:
     """csrc/include/mpfused/adam_math.h::random16 on int64 tensors (wrapping arithmetic)."""
-    base = _to_signed(_u64(seed + 0x9E3779B97F4A7C15 * (tensor + 1)))
+    base = _to_signed(_u64(seed + stream))
     z = index.to(torch.int64) * _to_signed(0xBF58476D1CE4E5B9) + base
 
     def lshr(x, k):  # logical shift right of a uint64 held in int64
@@ -80,7 +98,7 @@ def read_master(p, master, mode) -> torch.Tensor:
     return p.double()
 
 
-def write_master(p, master, mode, w32, seed, t, slot) -> None:
+def write_master(p, master, mode, w32, seed, t, stream) -> None:
     """Store the updated fp32 value w32 into the param (and its master) per the mode."""
     if mode == MASTER_FP32:
         master.copy_(w32)
@@ -91,7 +109,7 @@ def write_master(p, master, mode, w32, seed, t, slot) -> None:
         master.copy_(rem)
     elif mode == MASTER_STOCHASTIC:
         idx = torch.arange(p.numel(), device=p.device).reshape(p.shape)
-        p.copy_(bf16_stochastic(w32, random16(step_seed(seed, t), slot, idx)))
+        p.copy_(bf16_stochastic(w32, random16(step_seed(seed, t), stream, idx)))
     else:
         p.copy_(w32)
 
@@ -108,29 +126,32 @@ def grad_multiplier(grad_scale, norm_sq, max_grad_norm) -> float:
 
 
 def param_updates(params, grads, masters, steps, lr, lr_tensor, weight_decay, maximize,
-                  decoupled, master_mode, grad_scale, found_inf, norm_sq, max_grad_norm):
+                  decoupled, master_mode, grad_scale, found_inf, norm_sq, max_grad_norm,
+                  param_ids=(), elem_offsets=()):
     """The walk every reference Adam step shares: skip on found_inf > 0, advance every step
-    counter, and for each non-empty param yield (i, p, t, slot, mode, master, w, g, lr) with w the
-    fp32 value (float64) and g the unscaled, clipped, signed grad, weight decay applied (AdamW:
-    to w; Adam: L2 into g). `slot` is the position among non-empty tensors: the kernels' tensor
-    index of the stochastic-rounding stream."""
-    if not params or (found_inf is not None and found_inf.item() > 0):
+    counter, and for each non-empty param yield (i, p, t, stream, mode, master, w, g, lr) with w
+    the fp32 value (float64) and g the unscaled, clipped, signed grad, weight decay applied
+    (AdamW: to w; Adam: L2 into g). `stream` is the param's stochastic-rounding stream
+    (sr_stream of param_ids[i], elem_offsets[i]). A tensor lr is read as its float32 value, as
+    the kernels read it."""
+    if not params:
+        return
+    streams = sr_streams(len(params), param_ids, elem_offsets)
+    if found_inf is not None and found_inf.item() > 0:
         return
     for i, g in enumerate(grads):
         if g is not None and g.layout != torch.strided:
             raise RuntimeError(f"mpfused: grads[{i}] is sparse; mpfused optimizers support dense "
                                "gradients only")
-    lr = float(lr_tensor.item()) if lr_tensor is not None else float(lr)
+    lr = float(lr_tensor.float().item()) if lr_tensor is not None else float(lr)
     mult = grad_multiplier(grad_scale, norm_sq, max_grad_norm)
     if maximize:
         mult = -mult
-    slot = -1
     for i, p in enumerate(params):
         t = steps[i].item() + 1
         steps[i].add_(1)
         if p.numel() == 0:
             continue
-        slot += 1
         mode = kernel_mode(p, master_mode)
         master = masters[i] if mode in (MASTER_FP32, MASTER_REMAINDER) else None
         w = read_master(p, master, mode)
@@ -139,16 +160,16 @@ def param_updates(params, grads, masters, steps, lr, lr_tensor, weight_decay, ma
             w = w * (1 - lr * weight_decay)
         else:
             g = g + weight_decay * w
-        yield i, p, t, slot, mode, master, w, g, lr
+        yield i, p, t, streams[i], mode, master, w, g, lr
 
 
 def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, lr,
                lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled,
                master_mode, grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0,
-               seed=0):
-    for i, p, t, slot, mode, master, w, g, lr in param_updates(
+               seed=0, param_ids=(), elem_offsets=()):
+    for i, p, t, stream, mode, master, w, g, lr in param_updates(
             params, grads, masters, steps, lr, lr_tensor, weight_decay, maximize, decoupled,
-            master_mode, grad_scale, found_inf, norm_sq, max_grad_norm):
+            master_mode, grad_scale, found_inf, norm_sq, max_grad_norm, param_ids, elem_offsets):
         m = exp_avgs[i].double()
         m = m + (1 - beta1) * (g - m)
         v = beta2 * exp_avg_sqs[i].double() + (1 - beta2) * g * g
@@ -160,4 +181,4 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, s
         w = w - (lr / (1 - beta1**t)) * m / denom
         exp_avgs[i].copy_(m)
         exp_avg_sqs[i].copy_(v)
-        write_master(p, master, mode, w.float(), seed, t, slot)
+        write_master(p, master, mode, w.float(), seed, t, stream)

@@ -13,10 +13,10 @@ from mpfused.reference.adam import param_updates, write_master
 def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters, steps,
                    qmap1, qmap2, block_size, lr, lr_tensor, beta1, beta2, eps, weight_decay,
                    maximize, decoupled, master_mode, grad_scale=None, found_inf=None,
-                   norm_sq=None, max_grad_norm=0.0, seed=0):
-    for i, p, t, slot, mode, master, w, g, lr in param_updates(
+                   norm_sq=None, max_grad_norm=0.0, seed=0, param_ids=(), elem_offsets=()):
+    for i, p, t, stream, mode, master, w, g, lr in param_updates(
             params, grads, masters, steps, lr, lr_tensor, weight_decay, maximize, decoupled,
-            master_mode, grad_scale, found_inf, norm_sq, max_grad_norm):
+            master_mode, grad_scale, found_inf, norm_sq, max_grad_norm, param_ids, elem_offsets):
         m = dequantize_blockwise(exp_avgs[i], absmax1s[i], qmap1, block_size).double()
         v = dequantize_blockwise(exp_avg_sqs[i], absmax2s[i], qmap2, block_size).double()
         m = m + (1 - beta1) * (g - m)
@@ -32,4 +32,4 @@ def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, mas
         exp_avg_sqs[i].copy_(c2)
         absmax1s[i].copy_(a1)
         absmax2s[i].copy_(a2)
-        write_master(p, master, mode, w.float(), seed, t, slot)
+        write_master(p, master, mode, w.float(), seed, t, stream)

@@ -125,12 +125,15 @@ void run_case(const Case& k, const Maps& maps, uint64_t seed) {
   std::vector<Tensor> ref = ts;  // the CPU kernel runs on a copy
   auto pack = [&](std::vector<Tensor>& v, int depth, std::vector<std::vector<void*>>& ptrs,
                   std::vector<int64_t>& numel, std::vector<int32_t>& dtype,
-                  std::vector<double>& steps) {
+                  std::vector<double>& steps, std::vector<uint64_t>& streams) {
     ptrs.assign(depth, {});
-    for (auto& t : v) {
+    for (size_t i = 0; i < v.size(); ++i) {
+      Tensor& t = v[i];
       if (t.n == 0) continue;
       Buf* ops[8] = {&t.p, &t.g, &t.c1, &t.c2, &t.master, &t.a1, &t.a2, &t.step};
-      for (int d = 0; d < depth; ++d) ptrs[d].push_back(ops[d]->ptr());
+      for (int d = 0; d < depth && d < 8; ++d) ptrs[d].push_back(ops[d]->ptr());
+      streams.push_back(emu_test::test_stream(int64_t(i)));
+      if (depth > kQ8Stream) ptrs[kQ8Stream].push_back(reinterpret_cast<void*>(streams.back()));
       numel.push_back(t.n);
       dtype.push_back(t.dtype);
       steps.push_back(double(*static_cast<float*>(t.step.ptr())) + 1.0);
@@ -140,8 +143,9 @@ void run_case(const Case& k, const Maps& maps, uint64_t seed) {
   std::vector<int64_t> gn, cn;
   std::vector<int32_t> gd, cd;
   std::vector<double> gs, cs;
-  pack(ts, 8, gp, gn, gd, gs);
-  pack(ref, 7, cp, cn, cd, cs);
+  std::vector<uint64_t> gk, ck;
+  pack(ts, kAdam8bitDepth, gp, gn, gd, gs, gk);
+  pack(ref, 7, cp, cn, cd, cs, ck);
 
   // Expected: the CPU kernel with the binding's host-side decisions.
   int zc = -1;
@@ -163,7 +167,7 @@ void run_case(const Case& k, const Maps& maps, uint64_t seed) {
     L.size = int64_t(cn.size());
     using namespace emu_test;
     cpu::Adam8bitConfig c{lr, kBeta1, kBeta2, kEps, kWeightDecay, gm, k.maximize, k.decoupled, k.mode,
-                          kSeed, B, mp.m1, mp.m2, zc};
+                          kSeed, ck.data(), B, mp.m1, mp.m2, zc};
     cpu::adam8bit_step(L, cs.data(), c, 1);
   }
   if (bad && !skip)
@@ -176,7 +180,7 @@ void run_case(const Case& k, const Maps& maps, uint64_t seed) {
   // The emulated CUDA call.
   if (!gn.empty()) {
     TensorLists<kAdam8bitDepth> L{};
-    for (int d = 0; d < 8; ++d) L.data[d] = gp[d].data();
+    for (int d = 0; d < kAdam8bitDepth; ++d) L.data[d] = gp[d].data();
     L.numel = gn.data();
     L.dtype = gd.data();
     L.size = int64_t(gn.size());
@@ -219,7 +223,7 @@ size_t run_bad_block_sizes(const Maps& maps) {
   size_t cases = 0;
   for (int64_t b : {0, 32, 100, 8192, -256}) {
     Adam8bitConfig cfg{};
-    cfg.lr = 1e-3f;
+    cfg.lr = 1e-3;
     cfg.beta1 = 0.9;
     cfg.beta2 = 0.999;
     cfg.block_size = b;

@@ -239,6 +239,8 @@ void run_adam(const AdamCase& k, uint64_t seed) {
     }
   const double max_grad_norm = k.clip ? 0.3 * std::sqrt(double(norm_sq)) : 0.0;
   std::vector<AdamTensor> ref = ts;
+  std::vector<uint64_t> streams;
+  for (int64_t i = 0; i < int64_t(ts.size()); ++i) streams.push_back(emu_test::test_stream(i));
 
   std::vector<int64_t> numel;
   std::vector<int32_t> dtype;
@@ -270,21 +272,23 @@ void run_adam(const AdamCase& k, uint64_t seed) {
     if (k.clip) gm *= float(std::min(1.0, max_grad_norm / (std::sqrt(double(norm_sq)) + 1e-6)));
     using namespace emu_test;
     const cpu::AdamConfig c{lr, kBeta1, kBeta2, kEps, kWeightDecay, gm, k.amsgrad, k.maximize,
-                            k.decoupled, k.mode, kSeed};
+                            k.decoupled, k.mode, kSeed, streams.data()};
     cpu::adam_step(L, steps.data(), c, 2);
   }
 
   // Emulated CUDA calls: the step, then the counters.
-  std::vector<std::vector<void*>> ptrs(7);
+  std::vector<std::vector<void*>> ptrs(cuda::kAdamDepth);
   std::vector<float*> counters;
-  for (auto& t : ts) {
+  for (size_t i = 0; i < ts.size(); ++i) {
+    AdamTensor& t = ts[i];
     const auto ops = operands(t);
     for (int d = 0; d < 6; ++d) ptrs[d].push_back(ops[d]);
     ptrs[cuda::kStep].push_back(&t.step);
+    ptrs[cuda::kStream].push_back(reinterpret_cast<void*>(streams[i]));
     counters.push_back(&t.step);
   }
   TensorLists<cuda::kAdamDepth> L{};
-  for (int d = 0; d < 7; ++d) L.data[d] = ptrs[d].data();
+  for (int d = 0; d < cuda::kAdamDepth; ++d) L.data[d] = ptrs[d].data();
   L.numel = numel.data();
   L.dtype = dtype.data();
   L.size = n;

@@ -53,9 +53,13 @@ inline int report(size_t cases) {
 }
 
 // Hyperparameters of every Adam case here (the CPU kernel gets the same).
-constexpr double kBeta1 = 0.9, kBeta2 = 0.999;
-constexpr float kEps = 1e-8f, kWeightDecay = 0.01f;
+constexpr double kBeta1 = 0.9, kBeta2 = 0.999, kWeightDecay = 0.01;
+constexpr float kEps = 1e-8f;
 constexpr uint64_t kSeed = 1234;
+
+// The stochastic-rounding stream of tensor i of a case: param ids and shard offsets other than
+// the position, as the optimizers pass them.
+inline uint64_t test_stream(int64_t i) { return mpfused::sr_stream(uint64_t(7 + 3 * i), uint64_t(1000 * i)); }
 
 // The fields cuda::AdamConfig and cuda::Adam8bitConfig share, as both programs set them from a
 // test case (host floats stand in for the device scalars).
@@ -68,7 +72,7 @@ struct AdamScalarsIn {
 };
 template <typename Config, typename Case>
 void fill_adam_config(Config& cfg, const Case& k, const AdamScalarsIn& in) {
-  cfg.lr = k.lr_ptr ? 0.f : *in.lr;
+  cfg.lr = k.lr_ptr ? 0.0 : double(*in.lr);
   cfg.lr_ptr = k.lr_ptr ? in.lr : nullptr;
   cfg.beta1 = kBeta1;
   cfg.beta2 = kBeta2;

@@ -13,30 +13,33 @@ enum MasterMode : int32_t {
   kStochastic = 3,  // bf16 params, no master, stochastic rounding of each update
 };
 
-// Scalars of one tensor's update, computed once per tensor (host or device).
+// Scalars of one tensor's update, computed once per tensor (host or device). Every constant that
+// torch derives from its double hyperparameters is derived here in double and rounded to fp32
+// once, as torch's for-loop and fused CPU kernels do: 1 - beta rounded from the fp32 beta instead
+// would be off by up to 3e-3 relative for beta2 = 0.99999 (half an fp32 ulp of beta2 / (1 - beta2)).
 struct AdamScalars {
-  float lr;
-  float beta1, beta2, eps;
+  float beta2, eps;
+  float one_minus_beta1, one_minus_beta2;
   float decay;       // AdamW: lr*weight_decay (applied to p); Adam: 0
   float l2;          // Adam: weight_decay (added to g); AdamW: 0
   float grad_mult;   // inv_scale * clip_coef, negated for maximize
   float step_size;   // lr / (1 - beta1^t)
-  float inv_bc2_sqrt;  // 1 / sqrt(1 - beta2^t), rounded once from double
+  float inv_bc2_sqrt;  // 1 / sqrt(1 - beta2^t)
 };
 
-// Betas arrive in double: the bias corrections use them unrounded, as torch does.
-MPF_HD AdamScalars adam_scalars(float lr, double beta1, double beta2, float eps, float weight_decay,
-                                bool decoupled, bool maximize, float grad_mult, double t) {
+// lr, betas and weight_decay in double (the bias corrections use the betas unrounded, as torch).
+MPF_HD AdamScalars adam_scalars(double lr, double beta1, double beta2, float eps,
+                                double weight_decay, bool decoupled, bool maximize,
+                                float grad_mult, double t) {
   AdamScalars s;
-  s.lr = lr;
-  s.beta1 = float(beta1);
   s.beta2 = float(beta2);
   s.eps = eps;
-  s.decay = decoupled ? lr * weight_decay : 0.f;
-  s.l2 = decoupled ? 0.f : weight_decay;
+  s.one_minus_beta1 = float(1.0 - beta1);
+  s.one_minus_beta2 = float(1.0 - beta2);
+  s.decay = decoupled ? float(lr * weight_decay) : 0.f;
+  s.l2 = decoupled ? 0.f : float(weight_decay);
   s.grad_mult = maximize ? -grad_mult : grad_mult;
-  // Bias corrections in double from the step count, as torch's for-loop implementation.
-  s.step_size = float(double(lr) / (1.0 - pow(beta1, t)));
+  s.step_size = float(lr / (1.0 - pow(beta1, t)));
   s.inv_bc2_sqrt = float(1.0 / sqrt(1.0 - pow(beta2, t)));
   return s;
 }
@@ -51,8 +54,8 @@ MPF_HD void adam_element(float& w, float g, float& m, float& v, float& vmax, con
   g = g * s.grad_mult;
   if (s.l2 != 0.f) g = g + s.l2 * w;  // Adam's L2 term; AdamW leaves g as it is, like torch
   w = w - s.decay * w;
-  m = m + (1.f - s.beta1) * (g - m);
-  v = s.beta2 * v + (1.f - s.beta2) * (g * g);
+  m = m + s.one_minus_beta1 * (g - m);
+  v = s.beta2 * v + s.one_minus_beta2 * (g * g);
   float vv = v;
   if (AMSGRAD) {
     vmax = max_f32(vmax, v);
@@ -79,9 +82,16 @@ MPF_HD void remainder_split(float w, uint16_t& p_bits, int16_t& rem) {
 }
 
 // Counter-based random 16 bits (a splitmix64 finalizer): the same stream on every backend for the
-// same (seed, tensor, element), so stochastic rounding is reproducible and backend-independent.
-MPF_HD uint32_t random16(uint64_t seed, uint64_t tensor, uint64_t index) {
-  uint64_t z = seed + 0x9E3779B97F4A7C15ull * (tensor + 1) + index * 0xBF58476D1CE4E5B9ull;
+// same (seed, stream, element), so stochastic rounding is reproducible and backend-independent.
+// `stream` is sr_stream(param_id, elem_offset) of the element's tensor, `index` its logical
+// position in that tensor: the bits depend on the param and the element's index in the whole
+// param only, never on how params are grouped, bucketed or sharded.
+MPF_HD uint64_t sr_stream(uint64_t param_id, uint64_t elem_offset) {
+  return 0x9E3779B97F4A7C15ull * (param_id + 1) + elem_offset * 0xBF58476D1CE4E5B9ull;
+}
+
+MPF_HD uint32_t random16(uint64_t seed, uint64_t stream, uint64_t index) {
+  uint64_t z = seed + stream + index * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
   z = z ^ (z >> 31);
@@ -110,11 +120,11 @@ MPF_HD float load_weight(const T* p, const float* master, const int16_t* rem, in
   else return to_f32(p[i]);
 }
 
-// `index` is the element's logical position in its tensor, `tensor` the tensor's position in the
-// call: the stochastic-rounding stream.
+// `index` is the element's logical position in its tensor, `stream` the tensor's sr_stream: the
+// stochastic-rounding stream.
 template <typename T, int MODE>
 MPF_HD void store_weight(float w, T* p, float* master, int16_t* rem, int64_t i, uint64_t seed,
-                         int64_t tensor, int64_t index) {
+                         uint64_t stream, int64_t index) {
   if constexpr (MODE == kFp32Master) {
     master[i] = w;
     p[i] = from_f32<T>(w);
@@ -126,7 +136,7 @@ MPF_HD void store_weight(float w, T* p, float* master, int16_t* rem, int64_t i, 
     rem[i] = lo;
   } else if constexpr (MODE == kStochastic) {
     reinterpret_cast<uint16_t*>(p)[i] =
-        bf16_bits_stochastic(w, random16(seed, uint64_t(tensor), uint64_t(index)));
+        bf16_bits_stochastic(w, random16(seed, stream, uint64_t(index)));
   } else {
     p[i] = from_f32<T>(w);
   }
