@@ -17,7 +17,7 @@ import fnmatch
 import functools
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -395,7 +395,8 @@ def _8bit_state_bytes(numel: int, block_size: int) -> int:
 
 
 def estimate_memory(model_or_param_count, recipe: str = "master", *, keep_fp32=None,
-                    block_size: int = 256, min_8bit_size: int = 4096) -> MemoryEstimate:
+                    block_size: int = 256, min_8bit_size: int = 4096,
+                    release: bool = False) -> MemoryEstimate:
     """Bytes of weights, grads, master weights and optimizer state for a recipe (``RECIPES``):
 
     =================  =======  =====  ======  =====  =====
@@ -417,17 +418,30 @@ def estimate_memory(model_or_param_count, recipe: str = "master", *, keep_fp32=N
     4-byte step counter and each 8-bit state one fp32 absmax per ``block_size`` elements; frozen
     params count as weights only. Activations, autocast's cast cache, temporaries and allocator
     slack are not included.
+
+    ``release=True`` (or a recipe name ending in ``-release``, e.g. ``"8bit-remainder-release"``):
+    the step inside the backward (``mpfused.step_in_backward``) frees each grad as it is used, so
+    no grad buffer is counted; during the backward at most two release buckets of grads
+    (``bucket_bytes``, 4 MiB by default) and the largest grad are alive at once.
     """
+    if recipe.endswith("-release"):
+        recipe, release = recipe[:-len("-release")], True
     if recipe not in RECIPES:
-        raise ValueError(f"recipe must be one of {list(RECIPES)}, got {recipe!r}")
+        raise ValueError(f"recipe must be one of {list(RECIPES)} (optionally with '-release'), "
+                         f"got {recipe!r}")
     description, half, master_b, eight = RECIPES[recipe]
+    if release:
+        recipe, description = recipe + "-release", description + ", grads released in backward"
     w_b = 2 if half else 4
     if isinstance(model_or_param_count, nn.Module):
-        return _estimate_model(model_or_param_count, recipe, keep_fp32, block_size, min_8bit_size)
+        est = _estimate_model(model_or_param_count, recipe.removesuffix("-release"), keep_fp32,
+                              block_size, min_8bit_size)
+        return (replace(est, recipe=recipe, description=description, grads=0)
+                if release else est)
     n = int(model_or_param_count)
     state_b = 2 * (1 + 4 / block_size) if eight else 8
-    return MemoryEstimate(recipe, description, n, w_b * n, w_b * n, master_b * n,
-                          round(state_b * n))
+    return MemoryEstimate(recipe, description, n, w_b * n, 0 if release else w_b * n,
+                          master_b * n, round(state_b * n))
 
 
 def _estimate_model(model, recipe, keep_fp32, block_size, min_8bit_size) -> MemoryEstimate:

@@ -203,6 +203,10 @@ class GradScaler(torch.amp.GradScaler):
     # across calls that a traced frame would only replay at its end.
     @torch._dynamo.disable
     def unscale_(self, optimizer) -> None:
+        if getattr(optimizer, "_grad_release", None) is not None:
+            raise RuntimeError(
+                "unscale_: this optimizer steps inside the backward (mpfused.step_in_backward) "
+                "and has freed its grads; clip with max_grad_norm and clip='previous' instead")
         return super().unscale_(optimizer)
 
     @torch._dynamo.disable
@@ -217,6 +221,13 @@ class GradScaler(torch.amp.GradScaler):
             raise RuntimeError("step() has already been called since the last update().")
         if "grad_scaler" in _step_params(optimizer):
             return super().step(optimizer, *args, **kwargs)  # legacy protocol: torch's path
+        release = getattr(optimizer, "_grad_release", None)
+        if release is not None:
+            # the backward stepped (mpfused.step_in_backward): hand update() what it found
+            state["found_inf_per_device"] = release.found_inf_per_device()
+            retval = optimizer.step(*args, **kwargs)
+            state["stage"] = OptState.STEPPED
+            return retval
         # mpfused optimizers run the check themselves, on the grads they step with, after their
         # step pre-hooks (a hook may replace p.grad: gradient compression, projections).
         deferred = (state["stage"] is OptState.READY

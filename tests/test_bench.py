@@ -27,7 +27,9 @@ def test_bench_tiny_run_writes_every_recipe(tmp_path):
             assert math.isfinite(r["final_loss"]), name
             assert len(r["losses"]) == 6 and r["timed_steps"] == 6 - results["config"]["warmup_steps"]
             assert r["step_time_ms"] > 0 and 0 < r["optimizer_time_ms"] <= r["step_time_ms"]
-            assert r["state_bytes"]["weights"] > 0 and r["state_bytes"]["grads"] > 0
+            assert r["state_bytes"]["weights"] > 0
+            # gradient release frees every grad in the backward: none left at the snapshot
+            assert (r["state_bytes"]["grads"] == 0) == name.endswith("-release"), name
         else:
             assert r["status"] == "unavailable" and r["reason"], name
 

@@ -82,7 +82,11 @@ def _mpfused_attr(name):
     return getattr(mpfused, name)
 
 
-def _build_mpfused(base_model, device, dtype, hp, optimizer_class_name, **optimizer_kwargs):
+RELEASE_BUCKET_BYTES = 256 * 1024  # small next to the main job's models: the grads never pile up
+
+
+def _build_mpfused(base_model, device, dtype, hp, optimizer_class_name, release=False,
+                   **optimizer_kwargs):
     optimizer_class = _mpfused_attr(optimizer_class_name)
     scaler_class = _mpfused_attr("GradScaler")
     # 16-bit weights; the optimizer keeps the fp32 (or remainder) master copy.
@@ -92,7 +96,13 @@ def _build_mpfused(base_model, device, dtype, hp, optimizer_class_name, **optimi
     enabled = scaler_wanted(dtype)
     scaler = _construct("mpfused.GradScaler", lambda: scaler_class(device.type, enabled=enabled))
     kwargs = ", ".join(f"{k}={v!r}" for k, v in optimizer_kwargs.items())
-    return TrainSetup(model, optimizer, scaler, f"mpfused.{optimizer_class_name}({kwargs})", enabled)
+    name = f"mpfused.{optimizer_class_name}({kwargs})"
+    if release:  # the step inside the backward; scaler.step(opt) hands over what it found
+        step_in_backward = _mpfused_attr("step_in_backward")
+        step_in_backward(optimizer, scaler=scaler if enabled else None,
+                         bucket_bytes=RELEASE_BUCKET_BYTES)
+        name += " + step_in_backward"
+    return TrainSetup(model, optimizer, scaler, name, enabled)
 
 
 def build_mpfused(base_model, device, dtype, hp):
@@ -111,6 +121,18 @@ def build_mpfused_8bit(base_model, device, dtype, hp):
 def build_mpfused_8bit_remainder(base_model, device, dtype, hp):
     return _build_mpfused(base_model, device, dtype, hp, "AdamW8bit", block_size=256,
                           min_8bit_size=4096, master_weights="remainder")
+
+
+def build_mpfused_release(base_model, device, dtype, hp):
+    return _build_mpfused(base_model, device, dtype, hp, "AdamW", release=True,
+                          master_weights="fp32")
+
+
+def build_mpfused_8bit_remainder_release(base_model, device, dtype, hp):
+    if dtype != torch.bfloat16:
+        raise RecipeUnavailable("the int16 remainder master needs bf16 weights")
+    return _build_mpfused(base_model, device, dtype, hp, "AdamW8bit", release=True,
+                          block_size=256, min_8bit_size=4096, master_weights="remainder")
 
 
 def _build_peer(base_model, device, dtype, hp, module_name, import_class):
@@ -165,6 +187,12 @@ RECIPES = {r.name: r for r in [
            build_mpfused_remainder),
     Recipe("mpfused-8bit-remainder", "bf16 weights + mpfused.AdamW8bit (int16 remainder master)",
            build_mpfused_8bit_remainder),
+    # Gradient release (mpfused.step_in_backward): the step inside the backward, no grad buffer.
+    Recipe("mpfused-release", "16-bit weights + mpfused.AdamW (fp32 master), step in backward",
+           build_mpfused_release),
+    Recipe("mpfused-8bit-remainder-release",
+           "bf16 weights + mpfused.AdamW8bit (int16 remainder), step in backward",
+           build_mpfused_8bit_remainder_release),
 ]}
 
 DEFAULT_RECIPES = ["native", "mpfused", "mpfused-8bit", "bnb", "torchao"]

@@ -1,2 +1,3 @@
 from mpfused.optim.adamw import Adam, AdamW  # noqa: F401
 from mpfused.optim.adamw8bit import Adam8bit, AdamW8bit, keep_32bit_state  # noqa: F401
+from mpfused.optim.release import GradRelease, step_in_backward  # noqa: F401

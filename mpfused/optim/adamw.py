@@ -29,8 +29,8 @@ from mpfused.ops import adam as adam_ops
 from mpfused.ops.bound import BoundOp
 from mpfused.optim._args import check_impl_flags, check_mpfused_args, check_torch_args
 from mpfused.optim._buckets import GroupPlan, build_buckets
-from mpfused.optim._streams import elem_offsets, flat_param_ids
 from mpfused.optim._masters import master_from_remainder, restore_fp32_param, split_master
+from mpfused.optim._streams import elem_offsets, flat_param_ids
 from mpfused.optim._state_table import epoch as state_epoch, tracked
 
 __all__ = ["AdamW", "Adam", "MASTER_MODES"]
@@ -42,6 +42,7 @@ _STOCHASTIC = 3
 class AdamW(Optimizer):
     _step_supports_amp_scaling = True
     _checks_grads_in_step = True  # mpfused.GradScaler hands it check_grads (see grad_scaler.py)
+    _grad_release = None  # mpfused.step_in_backward(opt) attaches one (optim/release.py)
     _decoupled = True
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999),
@@ -289,6 +290,8 @@ class AdamW(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._grad_release is not None:  # the backward stepped (optim/release.py)
+            return loss
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         norm_sq = getattr(self, "grad_norm_sq", None)

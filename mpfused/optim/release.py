@@ -1,0 +1,248 @@
+"""The optimizer step inside the backward (gradient release): ``mpfused.step_in_backward(opt)``.
+
+Each parameter is updated as soon as its gradient is complete, by the optimizer's own fused
+kernel on small buckets of ready parameters, and its gradient is freed at once: the full-model
+gradient buffer never exists. The update is the ordinary step's, element for element (same
+kernel, same scalars, same stochastic-rounding streams: they are keyed by the parameter, not by
+the bucket), so without clipping the params, masters and state are bit-identical to
+``loss.backward(); opt.step()``.
+
+Rules (README, "Gradient release"):
+
+* ``opt.step()`` and ``opt.zero_grad()`` stay valid and change nothing while attached (their
+  hooks and LR schedulers still run). ``scaler.step(opt)`` hands the scaler what the backward
+  found; ``scaler.update()`` backs off as usual.
+* Gradient accumulation: backward passes under ``with release.accumulate():`` keep their grads;
+  the next backward outside it steps with the accumulated grads and frees them (exact).
+* Non-finite grads: every bucket is checked before its update (read-only pass, no host sync);
+  a bucket with an inf/NaN is not updated at all (params, masters, state, step counts
+  untouched), the other buckets are. All-or-nothing is impossible once earlier buckets have
+  stepped; ``release.skipped`` counts the skipped buckets of the last backward (a device tensor).
+* Clipping by the global norm cannot be known before the first update: ``max_grad_norm`` is
+  refused unless ``clip="previous"``: each step clips with the global norm of the previous
+  step's grads (the first step is not clipped). Its deviation from exact clipping is measured in
+  tests/test_release.py.
+* Data parallel is not supported yet (a grad-ready hook fires before DDP's all-reduce; FSDP2's
+  local grad is complete only after its reduce-scatter): a process group of more than one rank,
+  or DTensor params, are refused with a clear error.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import torch
+
+from mpfused.ops import amp as amp_ops
+from mpfused.optim._state_table import epoch as state_epoch, tracked
+from mpfused.optim.adamw import _hyper
+
+__all__ = ["GradRelease", "step_in_backward"]
+
+DEFAULT_BUCKET_BYTES = 4 * 2**20  # of grads: a few MiB keeps launches few and the peak small
+
+
+def step_in_backward(optimizer, *, scaler=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                     clip: str | None = None) -> "GradRelease":
+    """Attach gradient release to an mpfused optimizer; returns the handle (``.accumulate()``,
+    ``.skipped``, ``.remove()``). ``scaler``: the ``mpfused.GradScaler`` the losses are scaled
+    with (its scale unscales the grads in the kernel). ``clip="previous"``: clip with the previous
+    step's global norm (needed with ``max_grad_norm``)."""
+    return GradRelease(optimizer, scaler=scaler, bucket_bytes=bucket_bytes, clip=clip)
+
+
+class _Chunk:
+    """Params of one group, adjacent in backward order, whose grads add up to ~bucket_bytes."""
+    __slots__ = ("group_index", "indices", "ready", "plans")
+
+    def __init__(self, group_index: int):
+        self.group_index = group_index
+        self.indices: list[int] = []
+        self.ready: set[int] = set()
+        self.plans: dict[tuple, object] = {}  # ready indices -> GroupPlan (state epoch checked)
+
+
+class GradRelease:
+    def __init__(self, optimizer, *, scaler=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 clip: str | None = None):
+        if not getattr(optimizer, "_checks_grads_in_step", False):
+            raise TypeError("step_in_backward needs an mpfused optimizer, got "
+                            f"{type(optimizer).__name__}")
+        if getattr(optimizer, "_grad_release", None) is not None:
+            raise RuntimeError("step_in_backward: this optimizer already has gradient release "
+                               "attached (call .remove() on the first handle)")
+        if clip not in (None, "previous"):
+            raise ValueError(f"clip must be None or 'previous', got {clip!r}")
+        if optimizer.max_grad_norm and clip is None:
+            raise ValueError(
+                "step_in_backward: max_grad_norm needs the global grad norm before the first "
+                "update, which the backward does not have. Pass clip='previous' to clip each "
+                "step with the previous step's global norm, or drop max_grad_norm")
+        if scaler is not None and not hasattr(scaler, "_check_for_step"):
+            raise TypeError("step_in_backward: scaler must be an mpfused.GradScaler (torch's "
+                            "scaler checks grads in scaler.step, after release has freed them)")
+        if (torch.distributed.is_available() and torch.distributed.is_initialized()
+                and torch.distributed.get_world_size() > 1):
+            raise NotImplementedError(
+                "step_in_backward: data-parallel training (DDP, FSDP) is not supported yet: a "
+                "param's grad-ready hook fires before the grads are all-reduced")
+        if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
+            raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        self.optimizer, self.scaler, self.bucket_bytes, self.clip = (optimizer, scaler,
+                                                                     bucket_bytes, clip)
+        self.skipped: torch.Tensor | None = None
+        self._accumulating = False
+        self._handles = []
+        self._chunk_of: dict[int, tuple[_Chunk, int]] = {}  # id(param) -> (chunk, index)
+        self._chunks: list[_Chunk] = []
+        self._in_backward = False
+        self._found: dict[torch.device, torch.Tensor] = {}
+        self._norm_sq_next: torch.Tensor | None = None
+        self._norm_sq_prev: torch.Tensor | None = None
+        self._epoch = None
+        self._make_chunks()
+        optimizer._grad_release = self
+
+    # ---- set-up -----------------------------------------------------------------------------
+    def _make_chunks(self) -> None:
+        for gi, group in enumerate(self.optimizer.param_groups):
+            chunk, size = None, 0
+            # reverse registration order: roughly the order the backward completes grads (DDP)
+            for i in reversed(range(len(group["params"]))):
+                p = group["params"][i]
+                if not p.requires_grad:
+                    continue
+                if hasattr(p, "to_local"):
+                    raise NotImplementedError(
+                        "step_in_backward: DTensor (FSDP2) params are not supported: the local "
+                        "grad is complete only after FSDP's reduce-scatter")
+                nbytes = p.numel() * p.element_size()
+                if chunk is None or (size and size + nbytes > self.bucket_bytes):
+                    chunk, size = _Chunk(gi), 0
+                    self._chunks.append(chunk)
+                chunk.indices.append(i)
+                size += nbytes
+                self._chunk_of[id(p)] = (chunk, i)
+                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+
+    def remove(self) -> None:
+        """Detach: hooks removed, ``opt.step()`` steps again."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self.optimizer._grad_release = None
+
+    @contextlib.contextmanager
+    def accumulate(self):
+        """Backward passes inside keep (and accumulate) their grads; the first backward after it
+        steps with the accumulated grads."""
+        previous, self._accumulating = self._accumulating, True
+        try:
+            yield self
+        finally:
+            self._accumulating = previous
+
+    def found_inf_per_device(self) -> dict:
+        """For ``GradScaler.step``: the non-finite flags (0/1) of the last backward."""
+        return dict(self._found)
+
+    # ---- in the backward --------------------------------------------------------------------
+    def _on_grad_ready(self, p: torch.Tensor) -> None:
+        if self._accumulating:
+            return
+        if not self._in_backward:
+            self._start_backward(p.device)
+        chunk, i = self._chunk_of[id(p)]
+        chunk.ready.add(i)
+        if len(chunk.ready) == len(chunk.indices):
+            self._release(chunk)
+
+    def _start_backward(self, device) -> None:
+        self._in_backward = True
+        self._found = {}
+        self.skipped = torch.zeros((), dtype=torch.int32, device=device)
+        if self.clip == "previous":
+            prev = self._norm_sq_next  # a non-finite norm (a skipped bucket) clips nothing
+            self._norm_sq_prev = None if prev is None else torch.where(
+                torch.isfinite(prev), prev, torch.zeros_like(prev))
+            self._norm_sq_next = None
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _end_backward(self) -> None:
+        # chunks with params that got no grad in this backward release what they have
+        for chunk in self._chunks:
+            if chunk.ready:
+                self._release(chunk)
+        self._in_backward = False
+
+    @torch.no_grad()
+    def _release(self, chunk: _Chunk) -> None:
+        opt = self.optimizer
+        group = opt.param_groups[chunk.group_index]
+        params = group["params"]
+        ready = tuple(sorted(chunk.ready))
+        chunk.ready = set()
+        grads = [None] * len(params)
+        for i in ready:
+            grads[i] = params[i].grad
+        if any(grads[i] is None for i in ready):  # a grad set to None by a later hook
+            ready = tuple(i for i in ready if grads[i] is not None)
+            if not ready:
+                return
+        plan = self._plan_for(chunk, ready, grads)
+        for b in plan.buckets:
+            gs = b.take(grads)
+            dev = b.state["local_params"][0].device
+            found, norm_sq = self._check(gs, dev)
+            clip_sq = None
+            if self.clip == "previous" and self._norm_sq_prev is not None:
+                clip_sq = self._norm_sq_prev.to(dev)
+            opt._launch(b, gs, group, _hyper(group, dev),
+                        (self._scale_on(dev), found, clip_sq,
+                         float(opt.max_grad_norm or 0.0), opt._seed))
+            self._record(found, norm_sq, dev)
+        for i in ready:
+            params[i].grad = None
+
+    def _plan_for(self, chunk: _Chunk, ready: tuple, grads: list):
+        """The chunk's kernel plan for these ready params (cached: the same set every step), made
+        by the optimizer's own planner; remade after a write to the state, as step() does."""
+        opt = self.optimizer
+        if (self._epoch != state_epoch() or opt.state is not getattr(self, "_state_obj", None)):
+            opt.state = tracked(opt.state)
+            for c in self._chunks:
+                c.plans = {}
+        plan = chunk.plans.get(ready)
+        if plan is None:
+            plan = chunk.plans[ready] = opt._plan(chunk.group_index,
+                                                  opt.param_groups[chunk.group_index], grads,
+                                                  cache=False)
+            self._epoch, self._state_obj = state_epoch(), opt.state
+        return plan
+
+    def _scale_on(self, device):
+        s = self.scaler
+        if s is None or not s.is_enabled() or s._scale is None:
+            return None
+        return s._scale.to(device)
+
+    def _check(self, grads, device):
+        """The bucket's non-finite flag (0/1) and, for clip='previous', its sum of squares of the
+        unscaled grads: one read-only pass, on the device."""
+        found = torch.zeros((), dtype=torch.float32, device=device)
+        scale = self._scale_on(device)
+        inv = (torch.ones((), dtype=torch.float32, device=device) if scale is None
+               else scale.double().reciprocal().float())
+        norm_sq = (torch.zeros((), dtype=torch.float32, device=device)
+                   if self.clip == "previous" else None)
+        amp_ops.check_grads(grads, found, inv, norm_sq, None, backend=self.optimizer._backend)
+        return found, norm_sq
+
+    def _record(self, found, norm_sq, device) -> None:
+        prev = self._found.get(device)
+        self._found[device] = found.clone() if prev is None else torch.maximum(prev, found)
+        self.skipped += (found > 0).to(torch.int32).to(self.skipped.device)
+        if norm_sq is not None:
+            norm_sq = norm_sq.to(self.skipped.device)
+            self._norm_sq_next = (norm_sq if self._norm_sq_next is None
+                                  else self._norm_sq_next + norm_sq)

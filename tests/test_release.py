@@ -1,0 +1,265 @@
+"""Gradient release (mpfused.step_in_backward, issue 23): the step inside the backward equals
+the ordinary step bit for bit (params, masters, moments, codes, step counts) over every optimizer
+x master mode x state kind, with gradient accumulation, an LR scheduler and a checkpoint resume
+in the middle; the grads are freed as the backward goes; non-finite grads skip exactly the
+buckets that hold them; clear errors where it cannot work."""
+import copy
+
+import pytest
+import torch
+
+import mpfused
+from mpfused.ops import OPS
+
+CASES = {
+    "AdamW-fp32": (mpfused.AdamW, torch.float32, {}),
+    "AdamW-bf16-master": (mpfused.AdamW, torch.bfloat16, {}),
+    "AdamW-bf16-remainder": (mpfused.AdamW, torch.bfloat16, {"master_weights": "remainder"}),
+    "AdamW-bf16-stochastic": (mpfused.AdamW, torch.bfloat16, {"master_weights": "none"}),
+    "AdamW-fp16-master": (mpfused.AdamW, torch.float16, {}),
+    "Adam-amsgrad-bf16": (mpfused.Adam, torch.bfloat16, {"amsgrad": True, "weight_decay": 0.01}),
+    "AdamW8bit-bf16-master": (mpfused.AdamW8bit, torch.bfloat16, {"min_8bit_size": 512}),
+    "AdamW8bit-bf16-remainder": (mpfused.AdamW8bit, torch.bfloat16,
+                                 {"min_8bit_size": 512, "master_weights": "remainder"}),
+}
+
+
+def _model(dtype, seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.GELU(), torch.nn.Linear(48, 40),
+                               torch.nn.GELU(), torch.nn.Linear(40, 6)).to(dtype)
+
+
+def _loss(model, x):
+    return model(x).float().square().mean()
+
+
+def _snapshot(model, opt):
+    params = list(model.parameters())
+    out = [p.detach().clone() for p in params]
+    for p in params:
+        st = opt.state.get(p, {})
+        out += [st[k].clone() for k in sorted(st) if isinstance(st[k], torch.Tensor)]
+    return out
+
+
+def _assert_identical(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def _train(case, release, backend, steps, accumulate=2, resume_at=None, bucket_bytes=2048):
+    cls, dtype, kwargs = CASES[case]
+    model = _model(dtype)
+    opt = cls(model.parameters(), lr=1e-2, backend=backend, **kwargs)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+    handle = mpfused.step_in_backward(opt, bucket_bytes=bucket_bytes) if release else None
+    gen = torch.Generator().manual_seed(5)
+    for step in range(steps):
+        if step == resume_at:  # a checkpoint resume: new model, optimizer, scheduler
+            saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()),
+                     sched.state_dict())
+            model = _model(dtype, seed=1)
+            model.load_state_dict(saved[0])
+            opt = cls(model.parameters(), lr=1e-2, backend=backend, **kwargs)
+            opt.load_state_dict(saved[1])
+            sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+            sched.load_state_dict(saved[2])
+            if release:
+                handle = mpfused.step_in_backward(opt, bucket_bytes=bucket_bytes)
+        for micro in range(accumulate):
+            x = torch.randn(6, 24, generator=gen).to(dtype)
+            if release and micro < accumulate - 1:
+                with handle.accumulate():
+                    _loss(model, x).backward()
+            else:
+                _loss(model, x).backward()
+        if release:
+            assert all(p.grad is None for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    return _snapshot(model, opt)
+
+
+def _backends():
+    out = ["native"] if OPS["adam_step_"].native_available("cpu") else []
+    return out + ["reference", "triton"]
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("case", list(CASES))
+def test_release_equals_ordinary_step(case, backend):
+    if backend == "triton" and case not in ("AdamW-bf16-stochastic", "AdamW8bit-bf16-master"):
+        pytest.skip("the Triton interpreter is slow: two representative cases")
+    steps = 50 if backend == "native" else 6
+    resume = steps // 2
+    ordinary = _train(case, False, backend, steps, resume_at=resume)
+    released = _train(case, True, backend, steps, resume_at=resume)
+    _assert_identical(ordinary, released)
+
+
+def test_grads_are_freed_during_the_backward():
+    """The grads alive at once, summed over params at every grad-ready hook: with release never
+    more than two buckets' worth (one filling, one being released) plus the largest grad; the
+    ordinary backward ends holding them all."""
+    def deep_model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(*[torch.nn.Linear(24, 24) for _ in range(8)]).bfloat16()
+    peaks = {}
+    for release in (False, True):
+        model = deep_model()
+        params = list(model.parameters())
+        opt = mpfused.AdamW(params, lr=1e-3)
+        if release:
+            mpfused.step_in_backward(opt, bucket_bytes=1200)
+        peak = [0]
+
+        def watch(_):
+            peak[0] = max(peak[0], sum(p.grad.numel() * p.grad.element_size()
+                                       for p in params if p.grad is not None))
+        # registered after step_in_backward's own hooks: sees each release's effect
+        handles = [p.register_post_accumulate_grad_hook(watch) for p in params]
+        _loss(model, torch.randn(4, 24).bfloat16()).backward()
+        for h in handles:
+            h.remove()
+        peaks[release] = peak[0]
+    sizes = [p.numel() * 2 for p in deep_model().parameters()]
+    assert peaks[False] == sum(sizes)
+    assert peaks[True] <= 2 * 1200 + max(sizes) < sum(sizes) / 2
+
+
+def _inject_hooks(model, plan):
+    """plan: {step: set of param indices}; the hooks write NaN/inf into those params' grads."""
+    state = {"step": 0}
+    params = list(model.parameters())
+
+    def make(i):
+        def hook(g):
+            if i in plan.get(state["step"], ()):
+                g = g.clone()
+                g.view(-1)[0] = float("nan") if i % 2 else float("inf")
+            return g
+        return hook
+    for i, p in enumerate(params):
+        p.register_hook(make(i))
+    return state
+
+
+@pytest.mark.parametrize("dtype,with_scaler", [(torch.float16, True), (torch.bfloat16, False)],
+                         ids=["fp16-scaler", "bf16"])
+def test_non_finite_storm_skips_exactly_the_buckets_that_hold_it(dtype, with_scaler):
+    """NaN/inf in random params on random steps: no NaN reaches a param, master or moment; the
+    buckets holding a non-finite grad are not updated (nothing of them changes) and every other
+    bucket steps exactly as the ordinary step of those buckets alone; the scaler backs off."""
+    gen = torch.Generator().manual_seed(9)
+    n_params = len(list(_model(dtype).parameters()))
+    plan = {s: set(torch.randperm(n_params, generator=gen)[:int(torch.randint(1, 3, (1,),
+                                                                             generator=gen))]
+                   .tolist())
+            for s in range(12) if torch.rand(1, generator=gen).item() < 0.5}
+    model, twin = _model(dtype), _model(dtype)
+    opt = mpfused.AdamW(model.parameters(), lr=1e-2)
+    twin_opt = mpfused.AdamW(twin.parameters(), lr=1e-2)
+    scaler = mpfused.GradScaler("cpu", init_scale=2.0**8, growth_interval=2) if with_scaler else None
+    release = mpfused.step_in_backward(opt, scaler=scaler, bucket_bytes=2048)
+    counter, twin_counter = _inject_hooks(model, plan), _inject_hooks(twin, plan)
+    chunk_params = {}
+    for p in model.parameters():
+        chunk, _ = release._chunk_of[id(p)]
+        chunk_params.setdefault(id(chunk), []).append(p)
+    twin_of = dict(zip(map(id, model.parameters()), twin.parameters()))
+    for step in range(12):
+        counter["step"] = twin_counter["step"] = step
+        x = torch.randn(6, 24, generator=gen).to(dtype)
+        loss = _loss(model, x)
+        loss = scaler.scale(loss) if scaler else loss
+        scale = scaler._scale.clone() if scaler is not None else None
+        loss.backward()
+        # the twin: the same grads; buckets with a non-finite grad dropped, the rest stepped
+        tloss = _loss(twin, x)
+        (tloss * scale if scale is not None else tloss).backward()
+        bad = 0
+        for members in chunk_params.values():
+            tw = [twin_of[id(p)] for p in members]
+            if any(not torch.isfinite(t.grad).all() for t in tw):
+                bad += 1
+                for t in tw:
+                    t.grad = None
+        if scale is not None:
+            twin_opt.grad_scale, twin_opt.found_inf = scale, torch.zeros(())
+        twin_opt.step()
+        for attr in ("grad_scale", "found_inf"):
+            twin_opt.__dict__.pop(attr, None)
+        twin_opt.zero_grad()
+        assert int(release.skipped) == bad
+        if scaler is not None:
+            scaler.step(opt)
+            before = scaler.get_scale()
+            scaler.update()
+            if bad:
+                assert scaler.get_scale() == before * 0.5
+        _assert_identical(_snapshot(twin, twin_opt), _snapshot(model, opt))
+        assert all(torch.isfinite(t).all() for t in _snapshot(model, opt))
+    assert any(plan.values())
+
+
+def test_previous_norm_clipping_matches_its_definition():
+    """clip='previous': step t clips with the global norm of step t-1's grads (the first step is
+    not clipped), i.e. the ordinary step with norm_sq set to the previous step's."""
+    model, twin = _model(torch.float32), _model(torch.float32)
+    opt = mpfused.AdamW(model.parameters(), lr=1e-2, max_grad_norm=0.05)
+    twin_opt = mpfused.AdamW(twin.parameters(), lr=1e-2, max_grad_norm=0.05)
+    mpfused.step_in_backward(opt, clip="previous", bucket_bytes=2048)
+    prev = None
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(6):
+        x = torch.randn(6, 24, generator=gen)
+        _loss(model, x).backward()
+        _loss(twin, x).backward()
+        norm_sq = sum(p.grad.double().square().sum() for p in twin.parameters()).float()
+        twin_opt.grad_norm_sq = prev if prev is not None else torch.zeros(())
+        twin_opt.step()
+        del twin_opt.grad_norm_sq
+        twin_opt.zero_grad()
+        prev = norm_sq
+        for a, b in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_refusals_are_clear():
+    model = _model(torch.float32)
+    with pytest.raises(ValueError, match="max_grad_norm.*clip='previous'"):
+        mpfused.step_in_backward(mpfused.AdamW(model.parameters(), max_grad_norm=1.0))
+    with pytest.raises(TypeError, match="mpfused optimizer"):
+        mpfused.step_in_backward(torch.optim.AdamW(model.parameters()))
+    with pytest.raises(TypeError, match="mpfused.GradScaler"):
+        mpfused.step_in_backward(mpfused.AdamW(model.parameters()),
+                                 scaler=torch.amp.GradScaler("cpu"))
+    opt = mpfused.AdamW(model.parameters())
+    handle = mpfused.step_in_backward(opt)
+    with pytest.raises(RuntimeError, match="already has gradient release"):
+        mpfused.step_in_backward(opt)
+    scaler = mpfused.GradScaler("cpu")
+    scaler.scale(_loss(model, torch.randn(2, 24))).backward()
+    with pytest.raises(RuntimeError, match="freed its grads"):
+        scaler.unscale_(opt)
+    handle.remove()
+    _loss(model, torch.randn(2, 24)).backward()  # detached: the grads stay
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_char_gpt_release_equals_ordinary_bf16():
+    """The real-text training run (the bench's char GPT on the stdlib's sources, bf16 autocast):
+    the recipe with release gives the ordinary recipe's losses exactly, step for step."""
+    from mpfused.bench.runner import BenchOptions, run_benchmark
+    opts = BenchOptions(device="cpu", size="tiny", dtype="bf16", steps=30,
+                        recipes=["mpfused", "mpfused-release"], seed=3)
+    results = run_benchmark(opts, log=lambda *a: None)["recipes"]
+    ordinary, released = results["mpfused"], results["mpfused-release"]
+    assert ordinary["status"] == released["status"] == "ok", released.get("reason")
+    assert released["optimizer"].endswith("step_in_backward")
+    assert released["losses"] == ordinary["losses"]
+    assert released["state_bytes"]["grads"] == 0 < ordinary["state_bytes"]["grads"]
+
