@@ -160,3 +160,77 @@ def test_param_ids_must_match_the_params(backend):
         OPS["adam_step_"](p, [torch.zeros_like(p[0])], s["exp_avgs"], s["exp_avg_sqs"], [], [],
                           s["steps"], 1e-3, None, 0.9, 0.999, 1e-8, 0.0, False, False, True,
                           STOCHASTIC, None, None, None, 0.0, 0, [0, 1], [], backend=backend)
+
+
+# ---- FSDP2-style DTensor shards: the whole param's stream, whatever the sharding --------------
+def _dtensor_shapes_and_grads():
+    gen = torch.Generator().manual_seed(3)
+    w = [torch.randn(37, 16, generator=gen).to(BF16), torch.randn(5, 64, generator=gen).to(BF16)]
+    grads = [[torch.randn(x.shape, generator=gen).to(BF16) for x in w] for _ in range(3)]
+    return w, grads
+
+
+def _train_sr(params, grads_of):
+    opt = mpfused.AdamW([{"params": params[:1]}, {"params": params[1:]}], lr=1e-3,
+                        master_weights="none", seed=9)
+    for k in range(3):
+        for p, g in zip(params, grads_of(k)):
+            p.grad = g
+        opt.step()
+
+
+def _dtensor_worker(rank: int, world: int, out_dir: str) -> None:
+    """Shard(0) DTensor params (37 rows: uneven shards), trained with stochastic rounding; rank 0
+    saves the full params."""
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    dist.init_process_group("gloo", store=dist.FileStore(os.path.join(out_dir, "store"), world),
+                            rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        w, grads = _dtensor_shapes_and_grads()
+        params = [torch.nn.Parameter(distribute_tensor(x.clone(), mesh, [Shard(0)])) for x in w]
+        _train_sr(params, lambda k: [distribute_tensor(g, mesh, [Shard(0)]) for g in grads[k]])
+        full = [p.full_tensor() for p in params]
+        if rank == 0:
+            torch.save(full, os.path.join(out_dir, "full.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dtensor_shards_round_as_one_process(tmp_path):
+    # Each shard passes its first element's global index (optim/_streams.py), so the sharded run
+    # is bit-identical to the unsharded one (keyed by local index, ~20% of elements differed).
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo is not available")
+    repo = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]))
+    procs = [subprocess.Popen([sys.executable, "-m", "tests.test_sr_streams", str(r), "2",
+                               str(tmp_path)], cwd=repo, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(logs)[-3000:]
+    sharded = torch.load(tmp_path / "full.pt")
+    w, grads = _dtensor_shapes_and_grads()
+    single = [torch.nn.Parameter(x.clone()) for x in w]
+    _train_sr(single, lambda k: grads[k])
+    for a, b in zip(sharded, single):
+        assert torch.equal(a.view(torch.int16), b.detach().view(torch.int16))
+
+
+if __name__ == "__main__":
+    import sys
+
+    _dtensor_worker(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
