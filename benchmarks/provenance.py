@@ -7,8 +7,9 @@ There (gpu_suite.sh):              python -m benchmarks.provenance show
     prints one line: the commit (MPFUSED_COMMIT wins over the file), and whether the source
     hash there equals the one written here (it differs if files changed after `write`).
                                    python -m benchmarks.provenance stamp DIR LINE
-    names the run in every JSON (key "suite_provenance"; a "commit" of "unknown" is replaced) and
-    CSV (a "suite_commit" column) under DIR; logs carry the line as their first line already.
+    names the run in every JSON (key "suite_provenance"; a "commit" of "unknown" is replaced),
+    CSV (a "suite_commit" column) and .txt (a first line) under DIR; the suite's logs start with
+    the line already.
 """
 from __future__ import annotations
 
@@ -61,8 +62,9 @@ def write() -> dict:
 
 def read() -> dict:
     info = json.loads(STAMP.read_text()) if STAMP.is_file() else {}
-    if os.environ.get("MPFUSED_COMMIT"):
-        info = {"commit": os.environ["MPFUSED_COMMIT"], "source": "MPFUSED_COMMIT"}
+    env = os.environ.get("MPFUSED_COMMIT", "")
+    if env and not info.get("commit", "").startswith(env):  # the command's commit wins
+        info = {"commit": env}
     return info
 
 
@@ -99,6 +101,11 @@ def stamp(folder: Path, text: str) -> int:
             data = {"suite_provenance": text, "data": data}
         p.write_text(json.dumps(data, indent=1))
         n += 1
+    for p in sorted(folder.rglob("*.txt")):  # plain reports: the line on top
+        body = p.read_text(errors="replace")
+        if not body.startswith(("# commit", "mpfused GPU suite")):
+            p.write_text(f"# {text}\n{body}")
+            n += 1
     for p in sorted(folder.rglob("*.csv")):
         with p.open(newline="") as f:
             rows = list(csv.reader(f))

@@ -149,6 +149,8 @@ def test_dry_run(tmp_path):
             assert first.startswith("# commit 0123456789abcdef0123"), (log, first)
         # smoke: one line per case, each PASS, each op family in its own process
         smoke = read("smoke.txt").splitlines()
+        assert smoke[0].startswith("# commit 0123456789abcdef0123"), smoke[0]
+        smoke = smoke[1:]
         assert len(smoke) == 3 and all(s.startswith("PASS") for s in smoke), smoke
         # a hanging test fails by name at its deadline and the run goes on
         cuda = {c.get("name"): c for c in ET.fromstring(read("junit-cuda.xml")).iter("testcase")}
