@@ -9,9 +9,11 @@ the id torch's ``state_dict`` gives it, so it survives re-planning and a checkpo
 
 DTensor params (FSDP2): each shard passes the global row-major index of its first element, so
 with dim-0 sharding (FSDP2's default) or replication every element draws the bits of its index
-in the whole param, whatever the world size, and replicas (HSDP) round alike. Shards of another
-layout (a non-zero shard dim, strided shards) get distinct but not layout-independent streams:
-their elements are not one contiguous range of the whole param.
+in the whole param, whatever the world size, and replicas (HSDP) round alike. Limitation: shards of
+another layout (a non-zero shard dim, strided shards) are not one contiguous range of the whole
+param; their streams start at the first element's global index too, so they depend on the layout
+and two shards may give the same draws to different elements of the param (never to the same
+element on two ranks, and never across params).
 """
 from __future__ import annotations
 
