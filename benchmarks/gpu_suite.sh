@@ -25,7 +25,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 declare -A CAP=([env]=20 [build]=180
-  [smoke]=60 [tests_cuda]=190 [tests_rest]=90
+  [smoke]=75 [tests_cuda]=175 [tests_rest]=90
   [memcheck]=130 [racecheck]=90 [synccheck]=60 [initcheck]=60
   [roofline]=120 [ncu]=200
   [wheels]=20 [bench_scaler]=60 [bench_adamw]=70 [bench_8bit]=70 [main_job]=120)
