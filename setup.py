@@ -47,6 +47,27 @@ def _cxx_std(torch_include: str) -> str:
     return "-std=c++20" if m and int(m.group(1)) >= 202002 else "-std=c++17"
 
 
+# The bit-exact CPU = CUDA contract needs IEEE float math on both sides: fail the build rather
+# than silently ship kernels that differ from the CPU ones (tests/test_cuda_compile.py tests this).
+_INEXACT_NVCC = re.compile(r"^-?-(use_fast_math|fmad(=true)?|ftz=true|prec-div=false|"
+                           r"prec-sqrt=false)$")
+_INEXACT_CXX = re.compile(r"^-(ffast-math|Ofast|ffp-contract=(fast|on)|funsafe-math-optimizations)$")
+
+
+def _check_exact_math(nvcc, cxx, env=os.environ):
+    """Error message if the flags (or nvcc's NVCC_APPEND/PREPEND_FLAGS) allow inexact float math."""
+    extra = (env.get("NVCC_PREPEND_FLAGS", "") + " " + env.get("NVCC_APPEND_FLAGS", "")).split()
+    bad = [f for f in [*nvcc, *extra] if _INEXACT_NVCC.match(f)]
+    bad += [f for f in cxx if _INEXACT_CXX.match(f)]
+    if nvcc and "--fmad=false" not in nvcc:
+        bad.append("(--fmad=false missing)")
+    if "-ffp-contract=off" not in cxx:
+        bad.append("(-ffp-contract=off missing)")
+    if bad:
+        return ("mpfused: flags that break the bit-exact CPU = CUDA contract: " + " ".join(bad))
+    return None
+
+
 def _extensions():
     if NO_EXT:
         return [], {}
@@ -83,11 +104,16 @@ def _extensions():
                 py_limited_api=True)
     if use_cuda:
         sources += _sources("bindings/*_cuda.cpp") + _sources("cuda/*.cu")
+        nvcc = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", "--fmad=false"]
+        err = _check_exact_math(nvcc, cxx)
+        if err:
+            sys.exit(err)
         ext = ce.CUDAExtension("mpfused._C", sources, extra_compile_args={
-            "cxx": cxx, "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo",
-                                  "--fmad=false"]},
-            extra_link_args=["-fopenmp"], **args)
+            "cxx": cxx, "nvcc": nvcc}, extra_link_args=["-fopenmp"], **args)
     else:
+        err = _check_exact_math([], cxx)
+        if err:
+            sys.exit(err)
         ext = ce.CppExtension("mpfused._C", sources, extra_compile_args={"cxx": cxx},
                               extra_link_args=["-fopenmp"], **args)
     info = {"torch_version": torch.__version__, "with_cuda": use_cuda, "cuda_archs": archs,

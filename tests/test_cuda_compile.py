@@ -167,11 +167,32 @@ def _binding_cmds(tmp: Path) -> dict[str, list[str]] | str:
 
 
 def _setup_nvcc_flags() -> list[str]:
-    """The nvcc flags setup.py builds the extension with (its `"nvcc": [...]` literal)."""
+    """The nvcc flags setup.py builds the extension with (its `nvcc = [...]` literal)."""
     text = (ROOT / "setup.py").read_text()
-    m = re.search(r'"nvcc":\s*(\[[^\]]*\])', text)
-    assert m, "setup.py has no \"nvcc\": [...] flag list"
+    m = re.search(r'\bnvcc = (\[[^\]]*\])', text)
+    assert m, "setup.py has no `nvcc = [...]` flag list"
     return ast.literal_eval(m.group(1))
+
+
+def _setup_cxx_flags() -> list[str]:
+    """The string literals of setup.py's `cxx = [...]` host flag list."""
+    for node in ast.walk(ast.parse((ROOT / "setup.py").read_text())):
+        if (isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "cxx"
+                and isinstance(node.value, ast.List)):
+            return [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
+    raise AssertionError("setup.py has no `cxx = [...]` flag list")
+
+
+def _setup_exact_math_guard():
+    """setup.py's _check_exact_math (with its regexes), without running setup()."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    keep = [n for n in tree.body
+            if (isinstance(n, ast.FunctionDef) and n.name == "_check_exact_math")
+            or (isinstance(n, ast.Assign) and any(getattr(t, "id", "").startswith("_INEXACT")
+                                                   for t in n.targets))]
+    ns = {"re": re, "os": os}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), "setup.py", "exec"), ns)
+    return ns["_check_exact_math"]
 
 
 SETUP_NVCC_FLAGS = _setup_nvcc_flags()
@@ -205,9 +226,31 @@ def results(tmp_path_factory):
     for cu in CU_FILES:
         for arch in ARCHS:
             out = tmp / f"{Path(cu).stem}.{arch}.o"
-            jobs[f"{Path(cu).name}:{arch}"] = [[NVCC, "-c", *SETUP_NVCC_FLAGS, "-Xptxas", "-v",
-                                                f"-arch={arch}", "-I", str(ROOT / "csrc" / "include"),
-                                                cu, "-o", str(out)]]
+            # sm_90 keeps its PTX (test_ptx_has_exact_math_only)
+            keep = ["-keep", "-keep-dir", str(tmp / f"keep_{Path(cu).stem}")] if arch == "sm_90" else []
+            if keep:
+                Path(keep[2]).mkdir()
+            jobs[f"{Path(cu).name}:{arch}"] = [[NVCC, "-c", *SETUP_NVCC_FLAGS, *keep, "-Xptxas",
+                                                "-v", f"-arch={arch}", "-I",
+                                                str(ROOT / "csrc" / "include"), cu, "-o", str(out)]]
+    # The PTX check's own check: a contractible a * b + c and a division, with setup.py's flags,
+    # with --fmad=true and with --use_fast_math; and platform.h refusing the host's -ffast-math.
+    probe = tmp / "fma_probe.cu"
+    probe.write_text('#include "mpfused/platform.h"\n__global__ void k(float* x, float a, float b) '
+                     '{ x[0] = x[0] * a + b; x[1] = x[1] / a; }\n')
+    for name, flags in [("setup", SETUP_NVCC_FLAGS),
+                        ("fmad_true", [f for f in SETUP_NVCC_FLAGS if f != "--fmad=false"]
+                         + ["--fmad=true"]),
+                        ("fast_math", [*SETUP_NVCC_FLAGS, "--use_fast_math"])]:
+        jobs[f"probe:{name}"] = [[NVCC, "-ptx", *flags, "-arch=sm_90", "-I",
+                                  str(ROOT / "csrc" / "include"), str(probe), "-o",
+                                  str(tmp / f"{name}.ptx")], ["cat", str(tmp / f"{name}.ptx")]]
+    cxx = shutil.which("g++") or shutil.which("c++")
+    if cxx:
+        host = tmp / "fast_math_host.cpp"
+        host.write_text('#include "mpfused/platform.h"\n')
+        jobs["probe:host_fast_math"] = [[cxx, "-std=c++17", "-fsyntax-only", "-ffast-math", "-I",
+                                         str(ROOT / "csrc" / "include"), str(host)]]
     src = tmp / "pack_test.cu"
     src.write_text(PACK_TEST)
     exe = tmp / "pack_test"
@@ -231,6 +274,7 @@ def results(tmp_path_factory):
         futs = {name: ex.submit(run_job, cmds) for name, cmds in jobs.items()}
         res = {name: f.result() for name, f in futs.items()}
     res["_bindings_skip"] = bindings if isinstance(bindings, str) else None
+    res["_tmp"] = str(tmp)
     return res
 
 
@@ -290,6 +334,62 @@ def test_cu_register_budget(results, cu, arch):
     for name, r in kernels.items():
         assert 0 < r["registers"] <= budget["registers"], (name, r)
         assert r["spill_stores"] <= budget["spill_stores"], (name, r)
+
+
+# PTX float instructions that are not IEEE round-to-nearest without flush-to-zero: contracted
+# multiply-adds, approximate or flush-to-zero f32 math. (libdevice's double pow has its own
+# fma.rn.f64 and one rcp.approx.ftz.f64 by design: f64, so not matched.)
+def _inexact_f32(ptx: str) -> list[str]:
+    bad = set()
+    for tok in re.findall(r"\b[a-z][a-z0-9]*(?:\.[a-z0-9]+)+", ptx):
+        parts = tok.split(".")
+        if "f32" in parts and (parts[0] in ("fma", "mad") or
+                               {"approx", "ftz", "full"} & set(parts)):
+            bad.add(tok)
+    return sorted(bad)
+
+
+def test_setup_flags_keep_math_exact():
+    """setup.py's flags keep IEEE math (no fast math, no contraction), and its guard refuses
+    every flag that would not: the build fails instead of shipping kernels that differ from the
+    CPU ones."""
+    guard = _setup_exact_math_guard()
+    cxx = _setup_cxx_flags()
+    assert "--fmad=false" in SETUP_NVCC_FLAGS and "-ffp-contract=off" in cxx
+    assert guard(SETUP_NVCC_FLAGS, cxx, env={}) is None
+    assert guard([], cxx, env={}) is None  # CPU-only build
+    for bad in (["--use_fast_math"], ["-use_fast_math"], ["--fmad=true"], ["-fmad=true"],
+                ["--ftz=true"], ["--prec-div=false"], ["--prec-sqrt=false"]):
+        assert guard([*SETUP_NVCC_FLAGS, *bad], cxx, env={}), bad
+    assert guard([f for f in SETUP_NVCC_FLAGS if f != "--fmad=false"], cxx, env={})
+    assert guard(SETUP_NVCC_FLAGS, cxx, env={"NVCC_APPEND_FLAGS": "-O3 --use_fast_math"})
+    assert guard(SETUP_NVCC_FLAGS, cxx, env={"NVCC_PREPEND_FLAGS": "--fmad=true"})
+    for bad in ("-ffast-math", "-Ofast", "-ffp-contract=fast", "-ffp-contract=on"):
+        assert guard(SETUP_NVCC_FLAGS, [*cxx, bad], env={}), bad
+    assert guard(SETUP_NVCC_FLAGS, [f for f in cxx if f != "-ffp-contract=off"], env={})
+
+
+@pytest.mark.parametrize("cu", [Path(f).name for f in CU_FILES])
+def test_ptx_has_exact_math_only(results, cu):
+    """The kernels' PTX (setup.py's flags, sm_90) has no contracted or approximate f32 math."""
+    _check(results[f"{cu}:sm_90"])
+    ptx = (Path(results["_tmp"]) / f"keep_{Path(cu).stem}" / f"{Path(cu).stem}.ptx").read_text()
+    assert ".entry" in ptx
+    assert _inexact_f32(ptx) == [], cu
+
+
+def test_exact_math_checks_can_fail(results):
+    """The PTX check sees contraction and fast math when they are on; platform.h refuses the
+    host's -ffast-math."""
+    assert _inexact_f32(_check(results["probe:setup"])) == []
+    assert "fma.rn.f32" in _inexact_f32(_check(results["probe:fmad_true"]))
+    assert any(".approx." in t or ".ftz." in t
+               for t in _inexact_f32(_check(results["probe:fast_math"])))
+    if "probe:host_fast_math" in results:
+        rc, out = results["probe:host_fast_math"]
+        if rc is TIMEOUT:
+            pytest.skip(out)
+        assert rc != 0 and "-ffast-math breaks the bit-exact" in out, out
 
 
 def test_multi_tensor_packing_on_host(results):

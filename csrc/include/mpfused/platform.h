@@ -13,6 +13,15 @@
 #define MPF_HD static inline __attribute__((always_inline))
 #endif
 
+// The CPU and CUDA kernels agree to the bit only with IEEE float math on both sides: no fast math
+// (approximate division / square root, flush-to-zero, which the branch-free fp16 conversions in
+// dtype.h also rely on) and no FMA contraction (setup.py: --fmad=false, -ffp-contract=off;
+// tests/test_cuda_compile.py checks the flags and the PTX). nvcc 13 defines no macro for
+// --use_fast_math or --fmad, so for CUDA the guards are setup.py's flag check and that PTX test.
+#if defined(__FAST_MATH__)
+#error "mpfused: -ffast-math breaks the bit-exact CPU = CUDA contract; build without it"
+#endif
+
 namespace mpfused {
 
 MPF_HD uint32_t f32_bits(float x) {
