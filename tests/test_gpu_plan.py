@@ -116,7 +116,7 @@ def test_dry_run(tmp_path):
     env = dict(os.environ, MPFUSED_COMMIT="0123456789abcdef0123", GPU_SUITE_TEST_DEADLINE="3",
                GPU_SUITE_SMOKE_ONLY="check_grads", GPU_SUITE_SAN_ONLY="update_scale_",
                GPU_SUITE_TESTS_CUDA="dry_tests/test_cuda_dry.py",
-               GPU_SUITE_TESTS_REST="dry_tests/test_rest_dry.py", GPU_SUITE_CAP_tests_rest="15",
+               GPU_SUITE_TESTS_REST="dry_tests/test_rest_dry.py", GPU_SUITE_CAP_tests_rest="8",
                # same code paths as memcheck and as the bench steps' neighbours; each costs a
                # process start-up (~5 s on 2 cores), and their CLIs are tested in test_bench
                GPU_SUITE_STUB="racecheck,synccheck,initcheck,bench_scaler,bench_adamw,bench_8bit,main_job",
