@@ -103,6 +103,10 @@ __device__ __forceinline__ void adam_range(const MtaChunk<kAdamDepth>& c, const 
 // MODE is the requested master mode; the effective one per dtype is cpu::pick_kernel's.
 template <int MODE, bool AMS>
 struct AdamFunctor {
+  // Two 512-thread blocks per SM (<= 64 registers): one block's thread-0 setup and tail overlap
+  // the other's loads. Left to itself ptxas takes 64-78 registers, one block (16 warps) per SM.
+  // ptxas fits every mode in 64 with no spill (tests/test_cuda_compile.py pins both).
+  static constexpr int kMinBlocksPerSm = 2;
   AdamConfig cfg;
 
   __device__ __forceinline__ void operator()(const MtaChunk<kAdamDepth>& c) const {
