@@ -68,6 +68,9 @@ ALIGNED_8BIT_PARAMS = {"fc1.weight", "fc2.weight"}
 # Resuming from re-blocked (requantized) state: the params follow the exact continuation within
 # the 8-bit quantization noise of the moments (4 steps at lr 1e-2).
 UNALIGNED_TOL = dict(rtol=0, atol=2e-3)
+# Gradient release under DDP (mpfused.step_in_backward(opt, ddp=model): each bucket steps in
+# DDP's communication hook once its all-reduce is done): the same run as the config named.
+RELEASE_CONFIGS = {"ddp_release_fp32": "ddp_fp32", "ddp_release_8bit": "ddp_8bit"}
 LAUNCHES = {"ddp": [n for n, c in CONFIGS.items() if c[0] == "ddp"],
             "fsdp": [n for n, c in CONFIGS.items() if c[0] == "fsdp"]}
 
@@ -191,11 +194,15 @@ def _wrap(model, engine, mesh_shape):
     return fully_shard(model, mesh=mesh)
 
 
-def _train_dist(name, rank):
+def _train_dist(name, rank, release=False):
     engine, mesh_shape, dtype, opt_name, use_scaler, clip = CONFIGS[name]
     model = _wrap(make_model(dtype), engine, mesh_shape)
     opt = make_optim(model.parameters(), opt_name, clip)
     scaler = make_scaler() if use_scaler else None
+    if release:
+        import mpfused
+
+        mpfused.step_in_backward(opt, scaler=scaler, ddp=model)
     out = {"scales": []}
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
@@ -324,6 +331,10 @@ def _worker_main(launch, rank, world, out_dir):
     jobs = {name: (lambda name=name: _train_dist(name, rank)) for name in LAUNCHES[launch]
             if CONFIGS[name][3] != "AdamW8bit" or _has_8bit()}
     jobs["inject"] = lambda: _inject_inf_one_rank(rank, launch, (2,))
+    if launch == "ddp":
+        for name, base in RELEASE_CONFIGS.items():
+            if CONFIGS[base][3] != "AdamW8bit" or _has_8bit():
+                jobs[name] = lambda base=base: _train_dist(base, rank, release=True)
     if launch == "fsdp":
         jobs["inject_hsdp_2x1"] = lambda: _inject_inf_one_rank(rank, launch, (2, 1))
         jobs["clip_grad_norm"] = lambda: _clip_grad_norm_dtensor(rank)
@@ -499,6 +510,26 @@ def test_matches_single_process(request, one_thread, name):
                         and res["state_kinds"][pname][key][0] != "DTensor"):
                     have = torch.cat([r["state"][pname][key] for r in results])  # per shard
                 assert have.dtype == want.dtype and torch.equal(have, want), (rank, pname, key)
+
+
+@pytest.mark.parametrize("name", list(RELEASE_CONFIGS))
+def test_ddp_release_equals_ddp_step(request, name):
+    """Gradient release under DDP: params, every state tensor and the scale trajectory are
+    bit-identical to the ordinary DDP step of the same config, on every rank (the inf step is
+    skipped everywhere: the averaged grads of every bucket hold it)."""
+    base = RELEASE_CONFIGS[name]
+    released = _results(request, name, "ddp_results")
+    ordinary = _results(request, base, "ddp_results")
+    for rank, (rel, ref) in enumerate(zip(released, ordinary)):
+        assert rel["scales"] == ref["scales"], rank
+        for k, v in ref["params"].items():
+            assert torch.equal(rel["params"][k], v), (rank, k)
+        for pname, st in ref["state"].items():
+            assert set(rel["state"][pname]) == set(st), (rank, pname)
+            for key, v in st.items():
+                assert torch.equal(rel["state"][pname][key], v), (rank, pname, key)
+        before, after = rel["before_inf_step"], rel["after_inf_step"]
+        assert all(torch.equal(before[k], after[k]) for k in before), rank
 
 
 @pytest.mark.parametrize("name", [n for n in CONFIGS if CONFIGS[n][3] == "AdamW8bit"])

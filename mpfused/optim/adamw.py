@@ -291,6 +291,7 @@ class AdamW(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         if self._grad_release is not None:  # the backward stepped (optim/release.py)
+            self._grad_release.step_done()
             return loss
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)

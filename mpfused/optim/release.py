@@ -14,21 +14,26 @@ Rules (README, "Gradient release"):
   found; ``scaler.update()`` backs off as usual.
 * Gradient accumulation: backward passes under ``with release.accumulate():`` keep their grads;
   the next backward outside it steps with the accumulated grads and frees them (exact).
-* Non-finite grads: every bucket is checked before its update (read-only pass, no host sync);
-  a bucket with an inf/NaN is not updated at all (params, masters, state, step counts
-  untouched), the other buckets are. All-or-nothing is impossible once earlier buckets have
-  stepped; ``release.skipped`` counts the skipped buckets of the last backward (a device tensor).
+* Non-finite grads: every release bucket (``bucket_bytes`` of params adjacent in backward order;
+  under DDP, DDP's bucket) is checked before its update (read-only pass, no host sync); a bucket
+  with an inf/NaN is not updated at all (params, masters, state, step counts untouched), the
+  other buckets are. All-or-nothing is impossible once earlier buckets have stepped;
+  ``release.skipped`` counts the skipped buckets of the last backward (a device tensor).
 * Clipping by the global norm cannot be known before the first update: ``max_grad_norm`` is
   refused unless ``clip="previous"``: each step clips with the global norm of the previous
   step's grads (the first step is not clipped). Its deviation from exact clipping is measured in
   tests/test_release.py.
-* Data parallel is not supported yet (a grad-ready hook fires before DDP's all-reduce; FSDP2's
-  local grad is complete only after its reduce-scatter): a process group of more than one rank,
-  or DTensor params, are refused with a clear error.
+* DDP: ``step_in_backward(opt, ddp=model)`` steps each DDP bucket as soon as its all-reduce is
+  done (a DDP communication hook, as torch's optimizer-overlap hooks), bit-identical to the
+  ordinary DDP step; DDP keeps its own grad buckets, so the win there is the overlap, not the
+  grad memory. FSDP2 (DTensor params) is refused: its local grad is complete only after its
+  reduce-scatter. Several ranks without ``ddp=`` are refused (the hooks would fire before the
+  all-reduce).
 """
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections import defaultdict
 
 import torch
@@ -43,28 +48,29 @@ DEFAULT_BUCKET_BYTES = 4 * 2**20  # of grads: a few MiB keeps launches few and t
 
 
 def step_in_backward(optimizer, *, scaler=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                     clip: str | None = None) -> "GradRelease":
+                     clip: str | None = None, ddp=None) -> "GradRelease":
     """Attach gradient release to an mpfused optimizer; returns the handle (``.accumulate()``,
     ``.skipped``, ``.remove()``). ``scaler``: the ``mpfused.GradScaler`` the losses are scaled
     with (its scale unscales the grads in the kernel). ``clip="previous"``: clip with the previous
-    step's global norm (needed with ``max_grad_norm``)."""
-    return GradRelease(optimizer, scaler=scaler, bucket_bytes=bucket_bytes, clip=clip)
+    step's global norm (needed with ``max_grad_norm``). ``ddp``: the
+    ``DistributedDataParallel`` model the optimizer's params belong to: each DDP bucket steps as
+    soon as its all-reduce is done (a DDP communication hook), with the averaged grads."""
+    return GradRelease(optimizer, scaler=scaler, bucket_bytes=bucket_bytes, clip=clip, ddp=ddp)
 
 
 class _Chunk:
     """Params of one group, adjacent in backward order, whose grads add up to ~bucket_bytes."""
-    __slots__ = ("group_index", "indices", "ready", "plans")
+    __slots__ = ("group_index", "indices", "ready")
 
     def __init__(self, group_index: int):
         self.group_index = group_index
         self.indices: list[int] = []
         self.ready: set[int] = set()
-        self.plans: dict[tuple, object] = {}  # ready indices -> GroupPlan (state epoch checked)
 
 
 class GradRelease:
     def __init__(self, optimizer, *, scaler=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 clip: str | None = None):
+                 clip: str | None = None, ddp=None):
         if not getattr(optimizer, "_checks_grads_in_step", False):
             raise TypeError("step_in_backward needs an mpfused optimizer, got "
                             f"{type(optimizer).__name__}")
@@ -81,11 +87,14 @@ class GradRelease:
         if scaler is not None and not hasattr(scaler, "_check_for_step"):
             raise TypeError("step_in_backward: scaler must be an mpfused.GradScaler (torch's "
                             "scaler checks grads in scaler.step, after release has freed them)")
-        if (torch.distributed.is_available() and torch.distributed.is_initialized()
+        if ddp is not None and not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
+            raise TypeError(f"ddp must be a DistributedDataParallel model, got {type(ddp)}")
+        if (ddp is None and torch.distributed.is_available() and torch.distributed.is_initialized()
                 and torch.distributed.get_world_size() > 1):
             raise NotImplementedError(
-                "step_in_backward: data-parallel training (DDP, FSDP) is not supported yet: a "
-                "param's grad-ready hook fires before the grads are all-reduced")
+                "step_in_backward: with several ranks pass ddp=<the DistributedDataParallel "
+                "model> (a param's grad-ready hook fires before DDP's all-reduce); FSDP2 is not "
+                "supported")
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
         self.optimizer, self.scaler, self.bucket_bytes, self.clip = (optimizer, scaler,
@@ -99,8 +108,13 @@ class GradRelease:
         self._found: dict[torch.device, torch.Tensor] = {}
         self._norm_sq_next: torch.Tensor | None = None
         self._norm_sq_prev: torch.Tensor | None = None
-        self._epoch = None
-        self._make_chunks()
+        self._epoch = self._state_obj = None
+        self._plans: dict[tuple, object] = {}  # (group index, ready indices) -> GroupPlan
+        self._ddp, self._lock = ddp, threading.Lock()
+        if ddp is None:
+            self._make_chunks()
+        else:
+            self._watch_ddp(ddp)
         optimizer._grad_release = self
 
     # ---- set-up -----------------------------------------------------------------------------
@@ -125,8 +139,16 @@ class GradRelease:
                 self._chunk_of[id(p)] = (chunk, i)
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
+    def _watch_ddp(self, ddp) -> None:
+        self._where = {id(p): (gi, i) for gi, g in enumerate(self.optimizer.param_groups)
+                       for i, p in enumerate(g["params"])}
+        if any(hasattr(p, "to_local") for p in ddp.parameters()):
+            raise NotImplementedError("step_in_backward: DTensor params under DDP")
+        ddp.register_comm_hook(None, self._ddp_comm_hook)  # DDP allows one, before training
+
     def remove(self) -> None:
-        """Detach: hooks removed, ``opt.step()`` steps again."""
+        """Detach: hooks removed, ``opt.step()`` steps again (under DDP the communication hook
+        stays, as DDP cannot drop one: it then only all-reduces)."""
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -135,12 +157,17 @@ class GradRelease:
     @contextlib.contextmanager
     def accumulate(self):
         """Backward passes inside keep (and accumulate) their grads; the first backward after it
-        steps with the accumulated grads."""
+        steps with the accumulated grads. Under DDP it is also ``ddp.no_sync()``."""
         previous, self._accumulating = self._accumulating, True
         try:
-            yield self
+            with self._ddp.no_sync() if self._ddp is not None else contextlib.nullcontext():
+                yield self
         finally:
             self._accumulating = previous
+
+    def step_done(self) -> None:
+        """Called by ``opt.step()``: the next grad that arrives belongs to a new step."""
+        self._in_backward = False
 
     def found_inf_per_device(self) -> dict:
         """For ``GradScaler.step``: the non-finite flags (0/1) of the last backward."""
@@ -157,7 +184,31 @@ class GradRelease:
         if len(chunk.ready) == len(chunk.indices):
             self._release(chunk)
 
-    def _start_backward(self, device) -> None:
+    def _ddp_comm_hook(self, _state, bucket):
+        """DDP's default all-reduce (averaging), then this bucket's update with the averaged grads
+        (as torch's optimizer-overlap hooks). Every rank sees the same grads, so every rank
+        skips the same buckets."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def step(fut):
+            if self.optimizer._grad_release is self and not self._accumulating:
+                with self._lock, torch.no_grad():  # gloo may complete buckets on its threads
+                    self._ddp_step(bucket.parameters(), bucket.gradients())
+            return fut.value()
+        return allreduce_hook(None, bucket).then(step)
+
+    def _ddp_step(self, params, grads) -> None:
+        if not self._in_backward:
+            self._start_backward(params[0].device, queue_end=False)
+        by_group: dict[int, list] = defaultdict(list)
+        for p, g in zip(params, grads):
+            if id(p) in self._where:
+                by_group[self._where[id(p)][0]].append((self._where[id(p)][1], g))
+        for gi, items in by_group.items():
+            items.sort(key=lambda item: item[0])
+            self._step_ready(gi, tuple(i for i, _ in items), [g for _, g in items])
+
+    def _start_backward(self, device, queue_end: bool = True) -> None:
         self._in_backward = True
         self._found = {}
         self.skipped = torch.zeros((), dtype=torch.int32, device=device)
@@ -166,7 +217,8 @@ class GradRelease:
             self._norm_sq_prev = None if prev is None else torch.where(
                 torch.isfinite(prev), prev, torch.zeros_like(prev))
             self._norm_sq_next = None
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        if queue_end:
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
         # chunks with params that got no grad in this backward release what they have
@@ -177,46 +229,55 @@ class GradRelease:
 
     @torch.no_grad()
     def _release(self, chunk: _Chunk) -> None:
-        opt = self.optimizer
-        group = opt.param_groups[chunk.group_index]
-        params = group["params"]
-        ready = tuple(sorted(chunk.ready))
+        params = self.optimizer.param_groups[chunk.group_index]["params"]
+        ready = tuple(i for i in sorted(chunk.ready) if params[i].grad is not None)
         chunk.ready = set()
-        grads = [None] * len(params)
-        for i in ready:
-            grads[i] = params[i].grad
-        if any(grads[i] is None for i in ready):  # a grad set to None by a later hook
-            ready = tuple(i for i in ready if grads[i] is not None)
-            if not ready:
-                return
-        plan = self._plan_for(chunk, ready, grads)
+        if ready:  # (a grad set to None by a later hook is not stepped)
+            self._step_ready(chunk.group_index, ready, [params[i].grad for i in ready])
+            for i in ready:
+                params[i].grad = None
+
+    def _step_ready(self, group_index: int, ready: tuple, ready_grads: list) -> None:
+        """Check and update the params ``group["params"][i] for i in ready`` with these grads:
+        one read-only check pass and one update launch per (device, dtype, state kind)."""
+        opt = self.optimizer
+        group = opt.param_groups[group_index]
+        grads = [None] * len(group["params"])
+        for i, g in zip(ready, ready_grads):
+            grads[i] = g
+        plan = self._plan_for(group_index, ready, grads)
+        # One decision for all of them (the release bucket is the unit that is skipped, however
+        # the planner splits it by dtype and state kind): the flags combined with MAX.
+        checked = []
         for b in plan.buckets:
             gs = b.take(grads)
             dev = b.state["local_params"][0].device
-            found, norm_sq = self._check(gs, dev)
+            checked.append((b, gs, dev) + self._check(gs, dev))
+        found = checked[0][3]
+        for _, _, _, f, _ in checked[1:]:
+            found = torch.maximum(found, f.to(found.device))
+        for b, gs, dev, _, norm_sq in checked:
             clip_sq = None
             if self.clip == "previous" and self._norm_sq_prev is not None:
                 clip_sq = self._norm_sq_prev.to(dev)
             opt._launch(b, gs, group, _hyper(group, dev),
-                        (self._scale_on(dev), found, clip_sq,
+                        (self._scale_on(dev), found.to(dev), clip_sq,
                          float(opt.max_grad_norm or 0.0), opt._seed))
-            self._record(found, norm_sq, dev)
-        for i in ready:
-            params[i].grad = None
+            self._record(None, norm_sq, dev)
+        if checked:
+            self._record(found, None, found.device)
 
-    def _plan_for(self, chunk: _Chunk, ready: tuple, grads: list):
-        """The chunk's kernel plan for these ready params (cached: the same set every step), made
-        by the optimizer's own planner; remade after a write to the state, as step() does."""
+    def _plan_for(self, group_index: int, ready: tuple, grads: list):
+        """The kernel plan of these ready params (cached: the same sets come every step), made by
+        the optimizer's own planner; remade after a write to the state, as step() does."""
         opt = self.optimizer
-        if (self._epoch != state_epoch() or opt.state is not getattr(self, "_state_obj", None)):
+        if self._epoch != state_epoch() or opt.state is not self._state_obj:
             opt.state = tracked(opt.state)
-            for c in self._chunks:
-                c.plans = {}
-        plan = chunk.plans.get(ready)
+            self._plans = {}
+        plan = self._plans.get((group_index, ready))
         if plan is None:
-            plan = chunk.plans[ready] = opt._plan(chunk.group_index,
-                                                  opt.param_groups[chunk.group_index], grads,
-                                                  cache=False)
+            plan = self._plans[(group_index, ready)] = opt._plan(
+                group_index, opt.param_groups[group_index], grads, cache=False)
             self._epoch, self._state_obj = state_epoch(), opt.state
         return plan
 
@@ -239,9 +300,10 @@ class GradRelease:
         return found, norm_sq
 
     def _record(self, found, norm_sq, device) -> None:
-        prev = self._found.get(device)
-        self._found[device] = found.clone() if prev is None else torch.maximum(prev, found)
-        self.skipped += (found > 0).to(torch.int32).to(self.skipped.device)
+        if found is not None:
+            prev = self._found.get(device)
+            self._found[device] = found.clone() if prev is None else torch.maximum(prev, found)
+            self.skipped += (found > 0).to(torch.int32).to(self.skipped.device)
         if norm_sq is not None:
             norm_sq = norm_sq.to(self.skipped.device)
             self._norm_sq_next = (norm_sq if self._norm_sq_next is None
