@@ -304,3 +304,23 @@ def test_char_gpt_previous_norm_clipping_parity():
         finals[release] = sum(losses[-12:]) / 12
     gap = 100 * (finals[True] - finals[False]) / finals[False]
     assert abs(gap) < CLIP_PARITY_TOLERANCE_PCT, (finals, gap)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_release_never_syncs_cuda(dtype):
+    """The backward with release, scaler.step and update: no host sync once state exists."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8)).cuda().to(dtype)
+    opt = mpfused.AdamW(model.parameters(), max_grad_norm=1.0)
+    scaler = mpfused.GradScaler("cuda", enabled=dtype == torch.float16)
+    mpfused.step_in_backward(opt, scaler=scaler, clip="previous", bucket_bytes=4096)
+    x = torch.randn(8, 64, device="cuda", dtype=dtype)
+    for i in range(3):
+        if i:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            scaler.scale(model(x).float().sum()).backward()
+            scaler.step(opt)
+            scaler.update()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
