@@ -15,7 +15,8 @@
 // Per block:
 //   setup     thread 0: this tensor's AdamScalars from the device step counter / lr / grad_scale /
 //             norm_sq; all threads: both maps to shared memory, then the 2 x 255 decision
-//             thresholds (quant8_threshold), the map checks and the +0 code of map 1.
+//             thresholds (quant8_threshold) in Eytzinger order, the map checks and the +0 code
+//             of map 1.
 //   update    two passes; in pass k thread t owns elements 2048 k + 4t .. +3 (coalesced 16/8/4-
 //             byte accesses when aligned, element-wise otherwise and at the tail; 4 consecutive
 //             elements are always in one quantization block): it dequantizes with the OLD
@@ -29,7 +30,9 @@
 //             elements); stage B (block_size > 128): warp 0 reduces the 32 per-warp partials of
 //             the chunk in segments of block_size / 128.
 //   encode    the new absmax is stored, then each thread requantizes its own parked moments
-//             (quant8_inv_scale, quant8_encode over the shared thresholds, keep_negative).
+//             (quant8_inv_scale, quant8_encode_eytzinger over the shared thresholds: the CPU's
+//             codes, with ~3x fewer shared-memory bank conflicts than the sorted layout,
+//             keep_negative).
 // Two barriers in setup, one or two in the reduction. found_inf > 0: every block leaves first.
 // Shared memory 37.7 KB (32 KB of parked moments); at most 64 registers (Adam8bitFunctor asks
 // for two blocks per SM), so one block's setup and reduction overlap the other's memory traffic.
@@ -38,6 +41,8 @@
 // 512 cooperative threads, tests/cuda_emulation/cuda_runtime.h) and compares it byte for byte
 // with the CPU kernel.
 #include "adam8bit_cuda.h"
+
+#include <stddef.h>
 
 #include "mpfused/quant8_math.h"
 #include "multi_tensor_apply.cuh"
@@ -68,8 +73,8 @@ struct alignas(16) Shared {  // 16: the parked moments are accessed as 16-byte v
   float vst[kChunk];
   float map1[kQuantCodes];
   float map2[kQuantCodes];
-  float thr1[kQuantCodes];
-  float thr2[kQuantCodes];
+  float eyt1[kQuantCodes];  // decision thresholds in Eytzinger order (quant8_encode_eytzinger)
+  float eyt2[kQuantCodes];
   uint32_t part1[kPartials];  // stage A partials (block_size > 128), |m| bits
   uint32_t part2[kPartials];  // |v| bits
   uint32_t am1[kMaxQBlocks];  // new absmax bits per quantization block of the chunk
@@ -78,6 +83,9 @@ struct alignas(16) Shared {  // 16: the parked moments are accessed as 16-byte v
   uint64_t seed;
   int32_t zero_code;
 };
+// Bank of eyt[k] = k mod 32, as tests/test_quant8_eytzinger.py's conflict count assumes.
+static_assert(offsetof(Shared, eyt1) % 128 == 0 && offsetof(Shared, eyt2) % 128 == 0,
+              "Eytzinger thresholds start at bank 0");
 
 template <typename T, int V>
 struct alignas(sizeof(T) * V) VecN {
@@ -169,12 +177,12 @@ __device__ __forceinline__ void run_chunk(Shared& sh, const MtaChunk<kAdam8bitDe
   {
     const int i = tid % kQuantCodes;
     const float* map = tid < kQuantCodes ? sh.map1 : sh.map2;
-    float* thr = tid < kQuantCodes ? sh.thr1 : sh.thr2;
+    float* eyt = tid < kQuantCodes ? sh.eyt1 : sh.eyt2;
     if (i + 1 < kQuantCodes) {
-      thr[i] = quant8_threshold(map[i], map[i + 1]);
+      eyt[quant8_eytzinger_node(i)] = quant8_threshold(map[i], map[i + 1]);
       ok = map[i] < map[i + 1];  // false for NaN too
     } else {
-      thr[i] = INFINITY;
+      eyt[0] = INFINITY;  // never read
     }
     // +0 of map 1: unique when the map is sorted (else the block bails out below).
     if (tid < kQuantCodes && map[i] == 0.f && (f32_bits(map[i]) >> 31) == 0u) sh.zero_code = i;
@@ -319,9 +327,9 @@ __device__ __forceinline__ void run_chunk(Shared& sh, const MtaChunk<kAdam8bitDe
     uint8_t k1[kVec], k2[kVec];
 #pragma unroll
     for (int j = 0; j < kVec; ++j) {
-      const int32_t q1 = quant8_encode(sh.thr1, mv.v[j] * r1);
+      const int32_t q1 = quant8_encode_eytzinger(sh.eyt1, mv.v[j] * r1);
       k1[j] = uint8_t(quant8_keep_negative(q1, mv.v[j], zc));
-      k2[j] = uint8_t(quant8_encode(sh.thr2, vv.v[j] * r2));
+      k2[j] = uint8_t(quant8_encode_eytzinger(sh.eyt2, vv.v[j] * r2));
     }
     store_n(c1, e, cnt, vec, k1);
     store_n(c2, e, cnt, vec, k2);

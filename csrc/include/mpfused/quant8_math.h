@@ -49,6 +49,30 @@ MPF_HD int32_t quant8_encode(const float* thr, float x) {
   return c;
 }
 
+// ---- the same search over thresholds in breadth-first (Eytzinger) order (CUDA kernel) --------
+// quant8_encode's implicit tree stored level by level: node k (1..255; level d = floor(log2 k),
+// j = k - 2^d) is the pivot that search compares at step d after taking path j,
+//     eyt[k] = thr[j * (256 >> d) + (128 >> d) - 1],
+// and the search is k = 2k + (x > eyt[k]), 8 times, code = k - 256: the same comparisons in the
+// same order, so the same code for every float32 (NaN: 0; tests/test_quant8_eytzinger.py checks
+// all 2^32). Why: in sorted order the pivots of one level share their low index bits, so a warp's
+// 32 searches hit the same shared-memory banks (~31 wavefronts per warp-wide search with Adam-like
+// moments); level by level they spread over the banks (~10). eyt[0] is unused.
+// The node of sorted threshold i (0..254): i + 1 = 2^(7-d) (2j + 1).
+MPF_HD int32_t quant8_eytzinger_node(int32_t i) {
+  const int32_t s = i + 1;
+  int32_t tz = 0;
+  while (((s >> tz) & 1) == 0) ++tz;
+  return (1 << (7 - tz)) + (s >> (tz + 1));
+}
+
+MPF_HD int32_t quant8_encode_eytzinger(const float* eyt, float x) {
+  int32_t k = 1;
+#pragma unroll
+  for (int l = 0; l < 8; ++l) k = 2 * k + (x > eyt[k] ? 1 : 0);
+  return k - kQuantCodes;
+}
+
 // The value encoded is s * quant8_inv_scale(absmax). The reciprocal saturates at FLT_MAX, so an
 // all-zero block (absmax 0) encodes zeros and a block with a subnormal absmax stays finite.
 // |x| may exceed 1 by an ulp: the encoders clamp (it still encodes as +-1's code).
