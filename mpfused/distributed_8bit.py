@@ -1,18 +1,14 @@
 """FSDP2 / DCP: 8-bit optimizer state of DTensor params in the unsharded (global) block layout:
 whether a shard's blocks are the whole param's, and the collectives that re-block codes and
-absmax when they are not (used by the 8-bit checkpoint format, mpfused/optim/_format_8bit.py)."""
+absmax when they are not (used by the 8-bit checkpoint format, mpfused/optim/_checkpoint.py)."""
 from __future__ import annotations
 
 import torch
 
 from mpfused.distributed import all_reduce_, is_dtensor, mesh_groups
+from mpfused.distributed import local as _local
 from mpfused.quant_maps import (dequantize_blockwise, encode, inv_scale, num_blocks,
                                 quantize_blockwise, zero_code)
-
-
-def _local(t):
-    """The local shard of a DTensor, or the tensor itself."""
-    return t.to_local() if t is not None and hasattr(t, "to_local") else t
 
 
 # ---- FSDP2 / DCP: the global block layout ----------------------------------------------------

@@ -1,16 +1,114 @@
-"""The 8-bit optimizers' settings checks and checkpoint format (version 2, bitsandbytes' key
-names; version 1 and torch / bitsandbytes state_dicts load too): the state_dict hooks of
-``AdamW8bit`` / ``Adam8bit``. The format is described in mpfused/optim/adamw8bit.py."""
+"""The checkpoint formats of the optimizers: their state_dict hooks.
+
+* ``AdamW`` / ``Adam``: fp32 state stays fp32 on load (torch casts it to the param's dtype),
+  every tensor is copied, torch's own state_dicts load, 8-bit ones are refused clearly.
+* ``AdamW8bit`` / ``Adam8bit``: the 8-bit settings checks and format version 2 (bitsandbytes' key
+  names; version 1 and torch / bitsandbytes state_dicts load too), described in
+  mpfused/optim/adamw8bit.py."""
 from __future__ import annotations
 
 import torch
 
 from mpfused.distributed import is_dtensor
+from mpfused.distributed import local as _local
 from mpfused.distributed_8bit import _from_global, _to_global
 from mpfused.optim._overrides import _kept_32bit_ids
-from mpfused.optim.adamw import _local
 from mpfused.quant_maps import num_blocks, signed_map, unsigned_map
 
+
+def _plain_dicts(optimizer, state_dict):
+    """A state_dict holds plain dicts, not the tracked ones of optimizer.state: checkpoints never
+    name an mpfused class (weights_only loads, other libraries)."""
+    state_dict["state"] = {k: dict(v) if isinstance(v, dict) else v
+                           for k, v in state_dict["state"].items()}
+    return state_dict
+
+
+# ---- state_dict: keep fp32 state fp32 --------------------------------------------------------
+# torch's load_state_dict casts every floating state tensor to the param's dtype (and an int16
+# remainder to bf16!). The pre-hook validates the saved state against the params (before anything
+# changes) and keeps the saved tensors aside; the post-hook puts them back with their own dtype on
+# the param's device (floating state as fp32, integer state as saved), converting a
+# torch.optim.AdamW state on the way (16-bit moments become fp32, a missing master is taken from
+# the param).
+PER_ELEMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "master_remainder")
+# AdamW8bit (v2) / bitsandbytes (>= 0.49.2 nests its quantized keys under the last one)
+_8BIT_SAVED_KEYS = ("state1", "state2", "absmax1", "absmax2", "__bnb_optimizer_quant_state__")
+
+
+def _allowed_state_dtypes(optimizer, key):
+    """None: any floating dtype (cast to fp32 on load); else the exact dtypes accepted."""
+    if key == "master_remainder":
+        return (torch.int16,)
+    if key in ("exp_avg", "exp_avg_sq") and getattr(optimizer, "_quantized_moments", False):
+        return (torch.uint8, torch.float32, torch.float16, torch.bfloat16)  # codes or 32-bit
+    return None
+
+
+def _saved_pairs(optimizer, saved_groups):
+    """(saved id, param, group) in torch's matching order: groups in order, params in order."""
+    for saved, group in zip(saved_groups, optimizer.param_groups):
+        for pid, p in zip(saved["params"], group["params"]):
+            yield pid, p, group
+
+
+def _stash_fp32_state(optimizer, state_dict):
+    saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
+    quantized = getattr(optimizer, "_quantized_moments", False)
+    for pid, p, _ in _saved_pairs(optimizer, saved_groups):
+        local = _local(p)
+        saved = saved_state.get(pid, {})
+        if not quantized and (any(k in saved for k in _8BIT_SAVED_KEYS) or any(
+                isinstance(saved.get(k), torch.Tensor) and saved[k].dtype == torch.uint8
+                for k in ("exp_avg", "exp_avg_sq"))):
+            raise ValueError(
+                f"loaded state_dict: state[{pid}] holds 8-bit optimizer state (an "
+                f"mpfused.AdamW8bit or bitsandbytes checkpoint); mpfused.{type(optimizer).__name__} "
+                "keeps fp32 moments. Load it into mpfused.AdamW8bit and use its "
+                "to_torch_state_dict(), which dequantizes the moments")
+        for key in PER_ELEMENT_KEYS:
+            value = saved_state.get(pid, {}).get(key)
+            # DCP + FSDP2 hands DTensor state (global shape): compare its local shard.
+            if not isinstance(value, torch.Tensor):
+                continue
+            if _local(value).shape != local.shape:
+                raise ValueError(
+                    f"loaded state_dict: state[{pid}][{key!r}] has shape {tuple(value.shape)} but "
+                    f"its param has shape {tuple(local.shape)}; per-element state must have the "
+                    "param's shape")
+            allowed = _allowed_state_dtypes(optimizer, key)
+            if not (value.is_floating_point() if allowed is None else value.dtype in allowed):
+                raise ValueError(
+                    f"loaded state_dict: state[{pid}][{key!r}] has dtype {value.dtype}; "
+                    f"{key} must be {'a floating tensor' if allowed is None else allowed}")
+    optimizer._loading = (saved_groups, saved_state)
+    return state_dict
+
+
+def _restore_fp32_state(optimizer):
+    saved_groups, saved_state = optimizer.__dict__.pop("_loading")
+    optimizer._plans = {}
+    for pid, p, group in _saved_pairs(optimizer, saved_groups):
+        if pid not in saved_state:
+            continue
+        state, local = optimizer.state[p], _local(p)
+        for key, value in saved_state[pid].items():
+            if key == "step" and isinstance(value, (int, float)):  # torch < 1.12 saved a number
+                value = torch.tensor(float(value))
+            if not isinstance(value, torch.Tensor):
+                continue
+            # copy=True: .to() returns the state_dict's own tensor when dtype and device match,
+            # and two optimizers loaded from one state_dict would step each other's state
+            dtype = torch.float32 if key == "step" or value.is_floating_point() else value.dtype
+            state[key] = value.to(device=local.device, dtype=dtype, copy=True)
+            if key == "step":
+                state[key] = state[key].reshape(())
+        # a torch checkpoint has no masters: taken from p, not its local shard (a DTensor param
+        # gets DTensor state; a plain local tensor would be saved by DCP as if replicated)
+        optimizer._sync_state_keys(group, p, optimizer._master_mode(group, p))
+
+
+# ---- 8-bit state ------------------------------------------------------------------------------
 
 def is_8bit_state(state) -> bool:
     """A param's live state holds 8-bit codes (uint8 exp_avg)."""
