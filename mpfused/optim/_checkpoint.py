@@ -36,6 +36,14 @@ PER_ELEMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "master
 _8BIT_SAVED_KEYS = ("state1", "state2", "absmax1", "absmax2", "__bnb_optimizer_quant_state__")
 
 
+def check_state_shape(value: torch.Tensor, local: torch.Tensor, where: str) -> None:
+    """Per-element state has its param's (local) shape; DCP + FSDP2 hand DTensor state of the
+    global shape: its local shard is compared."""
+    if _local(value).shape != local.shape:
+        raise ValueError(f"{where} has shape {tuple(_local(value).shape)} but its param has shape "
+                         f"{tuple(local.shape)}; per-element state must have the param's shape")
+
+
 def _allowed_state_dtypes(optimizer, key):
     """None: any floating dtype (cast to fp32 on load); else the exact dtypes accepted."""
     if key == "master_remainder":
@@ -71,11 +79,7 @@ def _stash_fp32_state(optimizer, state_dict):
             # DCP + FSDP2 hands DTensor state (global shape): compare its local shard.
             if not isinstance(value, torch.Tensor):
                 continue
-            if _local(value).shape != local.shape:
-                raise ValueError(
-                    f"loaded state_dict: state[{pid}][{key!r}] has shape {tuple(value.shape)} but "
-                    f"its param has shape {tuple(local.shape)}; per-element state must have the "
-                    "param's shape")
+            check_state_shape(value, local, f"loaded state_dict: state[{pid}][{key!r}]")
             allowed = _allowed_state_dtypes(optimizer, key)
             if not (value.is_floating_point() if allowed is None else value.dtype in allowed):
                 raise ValueError(

@@ -39,7 +39,28 @@ def _bump() -> None:
         _EPOCH[0] += 1
 
 
-class ParamState(dict):
+class _CountsWrites:
+    """The writes every tracked dict counts (mixed in before dict / defaultdict)."""
+    __slots__ = ()
+
+    def __delitem__(self, key):
+        _bump()
+        super().__delitem__(key)
+
+    def pop(self, *args):
+        _bump()
+        return super().pop(*args)
+
+    def popitem(self):
+        _bump()
+        return super().popitem()
+
+    def clear(self):
+        _bump()
+        super().clear()
+
+
+class ParamState(_CountsWrites, dict):
     """One param's state: a dict whose writes are counted."""
     __slots__ = ()
 
@@ -47,25 +68,9 @@ class ParamState(dict):
         _bump()
         dict.__setitem__(self, key, value)
 
-    def __delitem__(self, key):
-        _bump()
-        dict.__delitem__(self, key)
-
     def __ior__(self, other):
         _bump()
         return dict.__ior__(self, other)
-
-    def pop(self, *args):
-        _bump()
-        return dict.pop(self, *args)
-
-    def popitem(self):
-        _bump()
-        return dict.popitem(self)
-
-    def clear(self):
-        _bump()
-        dict.clear(self)
 
     def update(self, *args, **kwargs):
         _bump()
@@ -83,7 +88,7 @@ def _adopt(value):
     return value if type(value) is ParamState or not isinstance(value, dict) else ParamState(value)
 
 
-class StateTable(defaultdict):
+class StateTable(_CountsWrites, defaultdict):
     """``optimizer.state``: param -> ParamState, a ``defaultdict`` as torch's, writes counted."""
 
     def __init__(self, items=()):
@@ -103,25 +108,9 @@ class StateTable(defaultdict):
         _bump()
         dict.__setitem__(self, key, _adopt(value))
 
-    def __delitem__(self, key):
-        _bump()
-        dict.__delitem__(self, key)
-
     def __ior__(self, other):
         self.update(other)
         return self
-
-    def pop(self, *args):
-        _bump()
-        return dict.pop(self, *args)
-
-    def popitem(self):
-        _bump()
-        return dict.popitem(self)
-
-    def clear(self):
-        _bump()
-        dict.clear(self)
 
     def update(self, *args, **kwargs):
         _bump()

@@ -30,7 +30,7 @@ from mpfused.ops.bound import BoundOp
 from mpfused.optim._args import check_impl_flags, check_mpfused_args, check_torch_args
 from mpfused.optim._buckets import GroupPlan, build_buckets
 from mpfused.optim._checkpoint import (PER_ELEMENT_KEYS, _plain_dicts, _restore_fp32_state,
-                                      _stash_fp32_state)
+                                      _stash_fp32_state, check_state_shape)
 from mpfused.optim._masters import master_from_remainder, restore_fp32_param, split_master
 from mpfused.optim._streams import elem_offsets, flat_param_ids
 from mpfused.optim._state_table import epoch as state_epoch, tracked
@@ -206,11 +206,7 @@ class AdamW(Optimizer):
             value = state.get(key)
             if not isinstance(value, torch.Tensor):
                 continue
-            if _local(value).shape != local.shape:
-                raise ValueError(
-                    f"mpfused.{type(self).__name__}: state[p][{key!r}] has shape "
-                    f"{tuple(_local(value).shape)} but its param has shape {tuple(local.shape)}; "
-                    "per-element state must have the param's shape")
+            check_state_shape(value, local, f"mpfused.{type(self).__name__}: state[p][{key!r}]")
             if value.is_floating_point() and (value.dtype != torch.float32
                                               or _local(value).device != local.device):
                 state[key] = value.to(device=local.device, dtype=torch.float32)
