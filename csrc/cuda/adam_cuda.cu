@@ -42,7 +42,8 @@ __device__ __forceinline__ void adam_one(T& p, T g, float& m, float& v, float& v
 }
 
 // One chunk of one tensor: 4-element vectors (16 B for the fp32 operands, 8 B for 16-bit ones)
-// when every operand used is aligned for them, scalar loop for the tail or an unaligned chunk.
+// when every operand used is aligned for them, scalar loop (4 elements in flight per thread) for
+// the tail or an unaligned chunk.
 template <typename T, int MODE, bool AMS>
 __device__ __forceinline__ void adam_range(const MtaChunk<kAdamDepth>& c, const AdamScalars& s,
                                            uint64_t seed) {
@@ -84,19 +85,42 @@ __device__ __forceinline__ void adam_range(const MtaChunk<kAdamDepth>& c, const 
     if (MODE == kFp32Master) store_vec<float, V>(master + i, wv);
     if (MODE == kRemainder) store_vec<int16_t, V>(rem + i, rv);
   }
-  for (int64_t i = nv * V + threadIdx.x; i < c.n; i += kBlockSize) {
-    T pi = p[i];
-    float mi = m[i], vi = v[i];
-    float xi = AMS ? vmax[i] : 0.f;
-    float wi = MODE == kFp32Master ? master[i] : 0.f;
-    int16_t ri = MODE == kRemainder ? rem[i] : int16_t(0);
-    adam_one<T, MODE, AMS>(pi, g[i], mi, vi, xi, wi, ri, s, seed, stream, c.begin + i);
-    p[i] = pi;
-    m[i] = mi;
-    v[i] = vi;
-    if (AMS) vmax[i] = xi;
-    if (MODE == kFp32Master) master[i] = wi;
-    if (MODE == kRemainder) rem[i] = ri;
+  // Tail, or the whole chunk when an operand is misaligned (offset views, e.g. DDP bucket
+  // grads): kIlp elements 512 apart per thread, all loaded before any is computed, so each thread
+  // keeps about as many loads in flight as the vector loop (one at a time left memory idle).
+  // amsgrad (one more operand) takes 3, which keeps it within 64 registers without spilling.
+  constexpr int kIlp = AMS ? 3 : 4;
+  for (int64_t i0 = nv * V + threadIdx.x; i0 < c.n; i0 += int64_t(kBlockSize) * kIlp) {
+    T pi[kIlp] = {}, gi[kIlp] = {};
+    float mi[kIlp] = {}, vi[kIlp] = {}, xi[kIlp] = {}, wi[kIlp] = {};
+    int16_t ri[kIlp] = {};
+#pragma unroll
+    for (int k = 0; k < kIlp; ++k) {
+      const int64_t i = i0 + int64_t(k) * kBlockSize;
+      if (i < c.n) {
+        pi[k] = p[i];
+        gi[k] = g[i];
+        mi[k] = m[i];
+        vi[k] = v[i];
+        if (AMS) xi[k] = vmax[i];
+        if (MODE == kFp32Master) wi[k] = master[i];
+        if (MODE == kRemainder) ri[k] = rem[i];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kIlp; ++k) {
+      const int64_t i = i0 + int64_t(k) * kBlockSize;
+      if (i < c.n) {
+        adam_one<T, MODE, AMS>(pi[k], gi[k], mi[k], vi[k], xi[k], wi[k], ri[k], s, seed, stream,
+                               c.begin + i);
+        p[i] = pi[k];
+        m[i] = mi[k];
+        v[i] = vi[k];
+        if (AMS) vmax[i] = xi[k];
+        if (MODE == kFp32Master) master[i] = wi[k];
+        if (MODE == kRemainder) rem[i] = ri[k];
+      }
+    }
   }
 }
 

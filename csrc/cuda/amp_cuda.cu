@@ -56,7 +56,8 @@ __device__ __forceinline__ void check_element(T& x, float inv, uint32_t& bad, fl
 
 // One chunk [x, x + n) of one tensor: 16-byte vectors when x is 16-byte aligned (always the case
 // for torch allocations, and chunk starts keep it since kChunkSize * 4 B is a multiple of 16),
-// 2 vectors in flight per thread; scalar loop for the tail or an unaligned chunk.
+// 2 vectors in flight per thread; scalar loop (4 elements in flight) for the tail or an
+// unaligned chunk.
 template <typename T, bool WRITE, bool NORM>
 __device__ __forceinline__ void check_range(T* x, int64_t n, float inv, uint32_t& bad,
                                             float& acc) {
@@ -81,10 +82,25 @@ __device__ __forceinline__ void check_range(T* x, int64_t n, float inv, uint32_t
       }
     }
   }
-  for (int64_t i = nv * V + threadIdx.x; i < n; i += kBlockSize) {
-    T v = x[i];
-    check_element<T, WRITE, NORM>(v, inv, bad, acc);
-    if (WRITE) x[i] = v;
+  // Tail, or the whole chunk when x is not 16-byte aligned (offset views, e.g. DDP bucket grads):
+  // kIlp elements 512 apart per thread, all loaded before any is checked, so each thread keeps
+  // several loads in flight (one at a time left the memory idle).
+  constexpr int kIlp = 4;
+  for (int64_t i0 = nv * V + threadIdx.x; i0 < n; i0 += int64_t(kBlockSize) * kIlp) {
+    T r[kIlp] = {};
+#pragma unroll
+    for (int k = 0; k < kIlp; ++k) {
+      const int64_t i = i0 + int64_t(k) * kBlockSize;
+      if (i < n) r[k] = x[i];
+    }
+#pragma unroll
+    for (int k = 0; k < kIlp; ++k) {
+      const int64_t i = i0 + int64_t(k) * kBlockSize;
+      if (i < n) {
+        check_element<T, WRITE, NORM>(r[k], inv, bad, acc);
+        if (WRITE) x[i] = r[k];
+      }
+    }
   }
 }
 
