@@ -70,6 +70,13 @@ def test_ncu_csv_parse(tmp_path):
     k = parse_ncu(csv, 100)["void mta_kernel"]
     assert k["dram_bytes_per_elem"] == pytest.approx(28.0)
     assert k["shared_wavefronts_per_ld"] == pytest.approx(3.1)
+    # as the suite calls it: merged into the roofline JSON next to what is there
+    from benchmarks.roofline import main
+    out = tmp_path / "roofline.json"
+    out.write_text('{"kernels": []}')
+    assert main(["--ncu-csv", str(csv), "--case", "adamw_fp32", "--numel", "100", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["kernels"] == [] and data["ncu"]["adamw_fp32"]["numel"] == 100
 
 
 def test_smoke_and_sanitizer_cases_run_on_cpu():
@@ -117,9 +124,9 @@ def test_dry_run(tmp_path):
                GPU_SUITE_SMOKE_ONLY="check_grads", GPU_SUITE_SAN_ONLY="update_scale_",
                GPU_SUITE_TESTS_CUDA="dry_tests/test_cuda_dry.py",
                GPU_SUITE_TESTS_REST="dry_tests/test_rest_dry.py", GPU_SUITE_CAP_tests_rest="8",
-               # same code paths as memcheck and as the bench steps' neighbours; each costs a
-               # process start-up (~5 s on 2 cores), and their CLIs are tested in test_bench
-               GPU_SUITE_STUB="racecheck,synccheck,initcheck,bench_scaler,bench_adamw,bench_8bit,main_job",
+               # each step costs a process start-up (~5 s on 2 cores): these share memcheck's path,
+               # ncu's CSV step is tested in test_ncu_csv_parse, the bench CLIs in test_bench
+               GPU_SUITE_STUB="racecheck,synccheck,initcheck,ncu,bench_scaler,bench_adamw,bench_8bit,main_job",
                PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path[1:]))
     env.pop("TRITON_INTERPRET", None)
     r = subprocess.run(["bash", str(work / "benchmarks" / "gpu_suite.sh"), "--dry-run", str(out), "all"],
@@ -164,12 +171,11 @@ def test_dry_run(tmp_path):
         assert "KeyboardInterrupt" in rest_log
         rest = {c.get("name") for c in ET.fromstring(read("junit-rest.xml")).iter("testcase")}
         assert "test_before_interrupt" in rest
-        # the roofline ran its CPU stand-in and parsed ncu's CSV format; JSONs carry the commit
+        # the roofline ran its CPU stand-in; JSONs carry the commit
         roof = json.loads(read("roofline.json"))
         assert {k["case"] for k in roof["kernels"]} == {"adamw_fp32", "adamw8bit_fp32", "check_bf16"}
         assert roof["kernels"][0]["bytes_per_elem"] == 28.0
         assert {s["who"] for s in roof["small_step"]} == {"mpfused", "torch-fused"}
-        assert roof["ncu"]["canned"]["kernels"]["void mta_kernel"]["dram_bytes_per_elem"] == 28.0
         assert roof["suite_provenance"].startswith("commit 0123456789abcdef0123")
     # nothing was written outside OUT but the copy's own results folder
     assert not (work / "gpu_out").exists()
