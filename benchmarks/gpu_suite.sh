@@ -62,7 +62,7 @@ touch "$run/.started"  # results newer than this were written by this run
 export PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 prov=$(python3 -m benchmarks.provenance show 2>&1 | tail -1)
 [[ $prov == commit\ * ]] || prov="commit unknown (provenance: $prov)"
-sha=$(awk '{print substr($2, 1, 12)}' <<<"$prov")
+sha=$(awk '{print substr($2, 1, 12)}' <<<"$prov" | tr -c 'A-Za-z0-9._\n-' '_')  # file names that come back: [A-Za-z0-9._-]
 summary=$run/summary.txt
 echo "mpfused GPU suite, phase $phase$([ $dry = 1 ] && echo ' (DRY RUN on CPU)'), $(date -u +%FT%TZ)" >"$summary"
 echo "$prov" >>"$summary"
@@ -163,8 +163,11 @@ sanitizer() {  # TOOL BACKENDS FAMILIES
 }
 
 ncu_all() {
-  if [ $dry = 1 ] || ! command -v ncu >/dev/null; then
-    echo "ncu not run ($([ $dry = 1 ] && echo 'dry run' || echo 'not installed')); parsing a canned CSV instead"
+  if [ $dry = 0 ] && ! command -v ncu >/dev/null; then
+    echo "ncu not installed: no counters"; return 0
+  fi
+  if [ $dry = 1 ]; then
+    echo "dry run: no ncu; parsing a canned CSV instead"
     printf '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"\n"0","void mta_kernel<AdamFunctor>(Meta)","dram__bytes_read.sum","byte","1600"\n"0","void mta_kernel<AdamFunctor>(Meta)","dram__bytes_write.sum","byte","1200"\n' >"$run/ncu_canned.csv"
     python3 -m benchmarks.roofline --ncu-csv "$run/ncu_canned.csv" --case canned --numel 100 --out "$run/roofline.json"
     return
