@@ -1,7 +1,8 @@
 """Standalone build checks of the CUDA backend that need no GPU, only nvcc on PATH:
 
 * every csrc/cuda/*.cu compiles with `nvcc -c -std=c++17 -arch=sm_80` and `-arch=sm_90` (the
-  kernels are torch-free, include path csrc/include only);
+  kernels are torch-free, include path csrc/include only), sm_80 with the 4 KB kernel-parameter
+  launches of toolkits < 12.1, sm_90 with the 32 KB ones;
 * the multi-tensor packing (mta_pack + mta_locate of multi_tensor_apply.cuh) is run on the host
   against an exhaustive check of which block runs which chunk, including tensors > 2^31 elements
   and launches that split a tensor;
@@ -48,12 +49,12 @@ using namespace mpfused;
 using namespace mpfused::cuda;
 
 static long failures = 0;
-#define EXPECT(cond)                                                           \
+#define EXPECT(...)                                                            \
   do {                                                                         \
-    if (!(cond) && ++failures < 20) std::printf("FAIL line %d: %s\n", __LINE__, #cond); \
+    if (!(__VA_ARGS__) && ++failures < 20) std::printf("FAIL line %d: %s\n", __LINE__, #__VA_ARGS__); \
   } while (0)
 
-template <int DEPTH>
+template <int DEPTH, int P = kMaxParamBytes>
 void check(const std::vector<int64_t>& numel, int64_t chunk, int64_t max_blocks) {
   const int64_t n = int64_t(numel.size());
   std::vector<int32_t> dtype(n);
@@ -72,11 +73,11 @@ void check(const std::vector<int64_t>& numel, int64_t chunk, int64_t max_blocks)
     for (int64_t c = 0; c * chunk < numel[t]; ++c) seq.push_back({t, c});
   int64_t g = 0;
   bool last_was_full = true;
-  mta_pack(L, chunk, max_blocks, [&](const MtaMeta<DEPTH>& meta, int64_t nb) {
+  mta_pack<DEPTH, P>(L, chunk, max_blocks, [&](const MtaMeta<DEPTH, P>& meta, int64_t nb) {
     EXPECT(last_was_full);  // only the final launch may be partly filled
-    last_was_full = meta.ntensors == MtaMeta<DEPTH>::kMaxTensors || nb == max_blocks;
+    last_was_full = meta.ntensors == (MtaMeta<DEPTH, P>::kMaxTensors) || nb == max_blocks;
     EXPECT(nb >= 1 && nb <= max_blocks);
-    EXPECT(meta.ntensors >= 1 && meta.ntensors <= MtaMeta<DEPTH>::kMaxTensors);
+    EXPECT(meta.ntensors >= 1 && meta.ntensors <= MtaMeta<DEPTH, P>::kMaxTensors);
     for (int64_t b = 0; b < nb; ++b) {
       const MtaChunk<DEPTH> c = mta_locate<DEPTH>(meta, int32_t(b));
       EXPECT(g < int64_t(seq.size()));
@@ -97,15 +98,15 @@ void check(const std::vector<int64_t>& numel, int64_t chunk, int64_t max_blocks)
   EXPECT(g == int64_t(seq.size()));
 }
 
-template <int DEPTH>
-void random_cases(uint64_t seed) {
+template <int DEPTH, int P = kMaxParamBytes>
+void random_cases(uint64_t seed, int max_tensors = 700) {
   std::mt19937_64 rng(seed);
   for (int rep = 0; rep < 200; ++rep) {
     const int64_t chunk = int64_t(1) << (rng() % 5);
     const int64_t max_blocks = rep % 3 == 0 ? kMaxBlocksPerLaunch : 1 + int64_t(rng() % 40);
-    std::vector<int64_t> numel(rng() % 700);
+    std::vector<int64_t> numel(rng() % max_tensors);
     for (auto& x : numel) x = rng() % 10 == 0 ? 0 : int64_t(rng() % (5 * chunk + 3));
-    check<DEPTH>(numel, chunk, max_blocks);
+    check<DEPTH, P>(numel, chunk, max_blocks);
   }
 }
 
@@ -113,12 +114,21 @@ int main() {
   random_cases<1>(1);
   random_cases<2>(2);
   random_cases<7>(3);
+  // 32 KB kernel parameters (CUDA >= 12.1): ~8x the tensors per launch.
+  random_cases<1, kMaxParamBytesLarge>(4, 5000);
+  random_cases<9, kMaxParamBytesLarge>(5, 1500);
+  static_assert(sizeof(MtaMeta<9, kMaxParamBytesLarge>) + kParamReserve <= kMaxParamBytesLarge, "");
+  static_assert(MtaMeta<8, kMaxParamBytesLarge>::kMaxTensors >= 8 * MtaMeta<8>::kMaxTensors, "");
+  // The driver query of CUDA 12.1 - 12.x builds: no GPU, no driver here, so 4 KB.
+  std::printf("large kernel parameters here: %d\n", int(large_kernel_params()));
   const std::vector<int64_t> huge = {5, (int64_t(1) << 31) + 12345, 7, 3 * (int64_t(1) << 31) + 1};
   check<1>(huge, kChunkSize, kMaxBlocksPerLaunch);
   check<7>(huge, kChunkSize, 1000);
   check<2>(huge, int64_t(1) << 16, 3);
-  std::printf("tensors per launch: depth1 %d depth2 %d depth7 %d\n", MtaMeta<1>::kMaxTensors,
-              MtaMeta<2>::kMaxTensors, MtaMeta<7>::kMaxTensors);
+  std::printf("tensors per launch: depth1 %d depth2 %d depth7 %d; 32 KB: depth1 %d depth8 %d\n",
+              MtaMeta<1>::kMaxTensors, MtaMeta<2>::kMaxTensors, MtaMeta<7>::kMaxTensors,
+              MtaMeta<1, kMaxParamBytesLarge>::kMaxTensors,
+              MtaMeta<8, kMaxParamBytesLarge>::kMaxTensors);
   if (failures) {
     std::printf("%ld failures\n", failures);
     return 1;
@@ -230,7 +240,10 @@ def results(tmp_path_factory):
             keep = ["-keep", "-keep-dir", str(tmp / f"keep_{Path(cu).stem}")] if arch == "sm_90" else []
             if keep:
                 Path(keep[2]).mkdir()
-            jobs[f"{Path(cu).name}:{arch}"] = [[NVCC, "-c", *SETUP_NVCC_FLAGS, *keep, "-Xptxas",
+            # nvcc >= 13 builds the 32 KB kernel-parameter launches only: sm_80 compiles the
+            # 4 KB ones (toolkits < 12.1) so both stay compiled and within the budgets.
+            small = ["-DMPF_CUDA_SMALL_KERNEL_PARAMS"] if arch == "sm_80" else []
+            jobs[f"{Path(cu).name}:{arch}"] = [[NVCC, "-c", *SETUP_NVCC_FLAGS, *keep, *small, "-Xptxas",
                                                 "-v", f"-arch={arch}", "-I",
                                                 str(ROOT / "csrc" / "include"), cu, "-o", str(out)]]
     # The PTX check's own check: a contractible a * b + c and a division, with setup.py's flags,
@@ -254,8 +267,9 @@ def results(tmp_path_factory):
     src = tmp / "pack_test.cu"
     src.write_text(PACK_TEST)
     exe = tmp / "pack_test"
-    jobs["pack_test"] = [[NVCC, "-std=c++17", "-I", str(ROOT / "csrc" / "include"), "-I",
-                          str(ROOT / "csrc" / "cuda"), str(src), "-o", str(exe)], [str(exe)]]
+    jobs["pack_test"] = [[NVCC, "-std=c++17", "-DMPF_CUDA_KERNEL_PARAMS_BY_DRIVER", "-I",
+                          str(ROOT / "csrc" / "include"), "-I", str(ROOT / "csrc" / "cuda"),
+                          str(src), "-o", str(exe)], [str(exe)]]
     bindings = _binding_cmds(tmp)
     if isinstance(bindings, dict):
         for name, cmd in bindings.items():

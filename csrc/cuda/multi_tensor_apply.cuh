@@ -33,13 +33,38 @@
 #else
 #define MPF_GRID_CONSTANT
 #endif
+// A kernel's by-value metadata parameter. The host emulation passes it by reference instead: a
+// 32 KB copy per emulated thread would not fit its fiber stacks (read-only either way).
+#ifdef MPF_CUDA_HOST_EMULATION
+#define MPF_PARAM_TABLE(...) const __VA_ARGS__&
+#else
+#define MPF_PARAM_TABLE(...) const MPF_GRID_CONSTANT __VA_ARGS__
+#endif
+
+// Kernel parameter space: 4 KB everywhere; 32,764 B with CUDA >= 12.1 on a driver >= R530 and
+// Volta or newer, i.e. ~8x more tensors per launch (10,000 tensors: ~270 launches a step at 4 KB).
+//   MPF_MTA_LARGE_PARAMS 0: 4 KB only (toolkit < 12.1, or -DMPF_CUDA_SMALL_KERNEL_PARAMS);
+//   1: 32 KB only (CUDA >= 13: its runtime needs a driver >= R580 and a GPU >= sm_75);
+//   2: both, picked per call from the driver version and the device (CUDA 12.1 - 12.x, whose
+//      runtime may run on an older driver, or -DMPF_CUDA_KERNEL_PARAMS_BY_DRIVER), and in the
+//      host emulation (tests pick).
+#if defined(MPF_CUDA_HOST_EMULATION) || defined(MPF_CUDA_KERNEL_PARAMS_BY_DRIVER)
+#define MPF_MTA_LARGE_PARAMS 2
+#elif defined(MPF_CUDA_SMALL_KERNEL_PARAMS) || !defined(CUDART_VERSION) || CUDART_VERSION < 12010
+#define MPF_MTA_LARGE_PARAMS 0
+#elif CUDART_VERSION >= 13000
+#define MPF_MTA_LARGE_PARAMS 1
+#else
+#define MPF_MTA_LARGE_PARAMS 2
+#endif
 
 namespace mpfused::cuda {
 
 constexpr int kBlockSize = 512;
 constexpr int64_t kChunkSize = 65536;  // torch/apex's chunk: 32 iterations of 4 elements/thread
-// Kernel parameters: 4 KB on every toolkit/driver (32 KB needs CUDA 12.1 + R530 + Volta).
+// Kernel parameters: 4 KB on every toolkit/driver, 32,764 B with CUDA 12.1 + R530 + Volta.
 constexpr int kMaxParamBytes = 4096;
+constexpr int kMaxParamBytesLarge = 32764;
 // Left to the functor and the extra kernel arguments (checked by a static_assert per launch).
 constexpr int kParamReserve = 320;
 // first_block is int32 and gridDim.x <= 2^31 - 1; in practice a launch never gets near this.
@@ -52,12 +77,30 @@ inline int64_t max_blocks_per_launch() { return ::mpf_emulation::max_blocks_per_
 constexpr int64_t max_blocks_per_launch() { return kMaxBlocksPerLaunch; }
 #endif
 
-template <int DEPTH>
+// Whether this call's launches may use the 32 KB parameter space (see MPF_MTA_LARGE_PARAMS).
+inline bool large_kernel_params() {
+#if defined(MPF_CUDA_HOST_EMULATION)
+  return ::mpf_emulation::large_kernel_params;
+#elif MPF_MTA_LARGE_PARAMS == 2
+  static const int driver = [] {
+    int v = 0;
+    return cudaDriverGetVersion(&v) == cudaSuccess ? v : 0;
+  }();
+  int dev = 0, major = 0;
+  return driver >= 12010 && cudaGetDevice(&dev) == cudaSuccess &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess &&
+         major >= 7;
+#else
+  return MPF_MTA_LARGE_PARAMS == 1;
+#endif
+}
+
+template <int DEPTH, int PARAM_BYTES = kMaxParamBytes>
 struct MtaMeta {
   static constexpr int kHeaderBytes = 4 * 8 + 4;
   static constexpr int kPerTensorBytes = 8 * DEPTH + 8 + 4 + 1;
   static constexpr int kMaxTensors =
-      (kMaxParamBytes - kParamReserve - kHeaderBytes - 8) / kPerTensorBytes;
+      (PARAM_BYTES - kParamReserve - kHeaderBytes - 8) / kPerTensorBytes;
 
   void* ptr[DEPTH][kMaxTensors];      // operand k of slot s: element 0 of the tensor
   int64_t numel[kMaxTensors];
@@ -86,8 +129,8 @@ struct MtaChunk {
 };
 
 // The chunk run by block b of a launch. Host-callable so the packing can be tested without a GPU.
-template <int DEPTH>
-__host__ __device__ __forceinline__ MtaChunk<DEPTH> mta_locate(const MtaMeta<DEPTH>& meta,
+template <int DEPTH, int P>
+__host__ __device__ __forceinline__ MtaChunk<DEPTH> mta_locate(const MtaMeta<DEPTH, P>& meta,
                                                                int32_t b) {
   // Last slot whose first block is <= b (a 0-chunk slot shares its first_block with the next
   // slot, so it is never picked).
@@ -122,18 +165,18 @@ struct MinBlocksPerSm<F, decltype(void(F::kMinBlocksPerSm))> {
   static constexpr int value = F::kMinBlocksPerSm;
 };
 
-template <int DEPTH, typename Functor, typename... Args>
+template <int DEPTH, int P, typename Functor, typename... Args>
 __global__ void __launch_bounds__(kBlockSize, MinBlocksPerSm<Functor>::value)
-    mta_kernel(const MPF_GRID_CONSTANT MtaMeta<DEPTH> meta, const Functor functor, Args... args) {
+    mta_kernel(MPF_PARAM_TABLE(MtaMeta<DEPTH, P>) meta, const Functor functor, Args... args) {
   functor(mta_locate<DEPTH>(meta, int32_t(blockIdx.x)), args...);
 }
 
 // Host side: packs `lists` into launches and calls emit(meta, nblocks) for each, in order.
 // Separate from the launch so the packing can be tested without a GPU.
-template <int DEPTH, typename Emit>
+template <int DEPTH, int P = kMaxParamBytes, typename Emit>
 void mta_pack(const TensorLists<DEPTH>& lists, int64_t chunk_size, int64_t max_blocks,
               Emit&& emit) {
-  using Meta = MtaMeta<DEPTH>;
+  using Meta = MtaMeta<DEPTH, P>;
   Meta meta{};
   meta.chunk_size = chunk_size;
   int32_t nt = 0;   // slots used in this launch
@@ -183,26 +226,40 @@ constexpr int param_bytes() {
   return (0 + ... + int(sizeof(Ts) + alignof(Ts)));  // size + worst-case padding of each
 }
 
+template <int P, int DEPTH, typename Functor, typename... Args>
+cudaError_t mta_launch_all(const TensorLists<DEPTH>& lists, int64_t chunk_size,
+                           cudaStream_t stream, const Functor& functor, const Args&... args) {
+  static_assert(sizeof(MtaMeta<DEPTH, P>) + param_bytes<Functor, Args...>() <= P,
+                "multi_tensor_apply: metadata + functor + arguments exceed the kernel parameter "
+                "limit");
+  static_assert(MtaMeta<DEPTH, P>::kMaxTensors >= 16, "multi_tensor_apply: DEPTH too large");
+  cudaError_t err = cudaSuccess;
+  mta_pack<DEPTH, P>(lists, chunk_size, max_blocks_per_launch(),
+                     [&](const MtaMeta<DEPTH, P>& meta, int64_t nblocks) {
+                       if (err != cudaSuccess) return;
+                       MPF_LAUNCH(dim3(unsigned(nblocks)), dim3(kBlockSize), stream,
+                                  mta_kernel<DEPTH, P, Functor, Args...>)(meta, functor, args...);
+                       err = cudaGetLastError();
+                     });
+  return err;
+}
+
 // Runs functor(const MtaChunk<DEPTH>&, args...) (a __device__ operator()) once per chunk of every
 // tensor, kBlockSize threads per chunk, on `stream`. Returns the first launch error, if any.
 // Tensors are taken as given: empty ones are harmless but waste a slot (the bindings drop them).
 template <int DEPTH, typename Functor, typename... Args>
 cudaError_t multi_tensor_apply(const TensorLists<DEPTH>& lists, int64_t chunk_size,
                                cudaStream_t stream, const Functor& functor, const Args&... args) {
-  static_assert(sizeof(MtaMeta<DEPTH>) + param_bytes<Functor, Args...>() <= kMaxParamBytes,
-                "multi_tensor_apply: metadata + functor + arguments exceed the 4 KB kernel "
-                "parameter limit");
-  static_assert(MtaMeta<DEPTH>::kMaxTensors >= 16, "multi_tensor_apply: DEPTH too large");
-  cudaError_t err = cudaSuccess;
-  if (lists.size == 0) return err;
-  mta_pack(lists, chunk_size, max_blocks_per_launch(),
-           [&](const MtaMeta<DEPTH>& meta, int64_t nblocks) {
-             if (err != cudaSuccess) return;
-             MPF_LAUNCH(dim3(unsigned(nblocks)), dim3(kBlockSize), stream,
-                        mta_kernel<DEPTH, Functor, Args...>)(meta, functor, args...);
-             err = cudaGetLastError();
-           });
-  return err;
+  if (lists.size == 0) return cudaSuccess;
+#if MPF_MTA_LARGE_PARAMS == 2
+  if (large_kernel_params())
+    return mta_launch_all<kMaxParamBytesLarge>(lists, chunk_size, stream, functor, args...);
+  return mta_launch_all<kMaxParamBytes>(lists, chunk_size, stream, functor, args...);
+#elif MPF_MTA_LARGE_PARAMS == 1
+  return mta_launch_all<kMaxParamBytesLarge>(lists, chunk_size, stream, functor, args...);
+#else
+  return mta_launch_all<kMaxParamBytes>(lists, chunk_size, stream, functor, args...);
+#endif
 }
 
 }  // namespace mpfused::cuda

@@ -277,6 +277,8 @@ int main(int argc, char** argv) {
     std::vector<int64_t> many;
     for (int i = 0; i < 120; ++i) many.push_back((i * 37) % 300);
     cases.push_back(Case{"120 small tensors (several launches)", many, kStochastic, 256});
+    for (int i = 120; i < 450; ++i) many.push_back((i * 37) % 300);  // > 381: 2 launches at 32 KB
+    cases.push_back(Case{"450 small tensors (several launches)", many, kNoMaster, 128});
   }
   {
     Case c{"first step (absmax 0)", sizes, kFp32Master, 256};
@@ -304,7 +306,10 @@ int main(int argc, char** argv) {
   uint64_t seed = emu_test::seed_from(argc, argv, 2);
   mpf_emulation::seed(seed);
   seed *= 1000;
-  for (const Case& c : cases) run_case(c, maps, seed++);
+  for (size_t i = 0; i < cases.size(); ++i) {  // 4 KB and 32 KB kernel parameters in turn
+    mpf_emulation::large_kernel_params = i % 2 == 1;
+    run_case(cases[i], maps, seed++);
+  }
   const size_t bad_sizes = run_bad_block_sizes(maps);
   std::printf("emulated launches %lld, blocks %lld\n", (long long)mpf_emulation::launch_state.launches,
               (long long)mpf_emulation::launch_state.blocks);

@@ -17,6 +17,7 @@
 #include "adam_cuda.h"
 #include "amp_cuda.h"
 #include "harness.h"
+#include "multi_tensor_apply.cuh"
 
 using namespace mpfused;
 using emu_test::Buf;
@@ -159,11 +160,13 @@ size_t run_update_scale(uint64_t seed) {
   return cases;
 }
 
-// ---- increment_steps at its launch boundaries (500 counters per launch) -----------------------
+// ---- increment_steps at its launch boundaries (500 counters per 4 KB launch, 4000 per 32 KB
+// launch in blocks of 500) ----------------------------------------------------------------------
 size_t run_increment_steps() {
   size_t cases = 0;
-  for (int64_t n : {0, 1, 499, 500, 501, 1000, 1234}) {
+  for (int64_t n : {0, 1, 499, 500, 501, 1000, 1234, 3999, 4000, 4001, 8500}) {
     for (float found : {0.f, 1.f}) {
+      mpf_emulation::large_kernel_params = (n + int64_t(found)) % 2 == 1;
       std::vector<float> steps(size_t(n) + 1);
       std::vector<float*> ptrs;
       for (int64_t i = 0; i < n; ++i) {
@@ -341,7 +344,11 @@ int main(int argc, char** argv) {
     amp.push_back(AmpCase{"amp_check: non-finite", standard_sizes(), true, true, true, true, poison});
     amp.push_back(AmpCase{"amp_check: non-finite, check only", many_sizes(300, 200), false, false, false, false, poison});
   }
-  for (const auto& c : amp) run_amp(c, seed++);
+  // Cases alternate between the 4 KB and the 32 KB kernel parameter space.
+  for (size_t i = 0; i < amp.size(); ++i) {
+    mpf_emulation::large_kernel_params = i % 2 == 1;
+    run_amp(amp[i], seed++);
+  }
   cases += amp.size();
 
   cases += run_update_scale(seed++);
@@ -383,9 +390,29 @@ int main(int argc, char** argv) {
     if (std::isnan(fi)) c.name = "adam_step: found_inf NaN runs (NaN > 0 is false)";
     adam.push_back(c);
   }
-  for (const auto& c : adam) run_adam(c, seed++);
+  for (size_t i = 0; i < adam.size(); ++i) {
+    mpf_emulation::large_kernel_params = i % 2 == 0;
+    run_adam(adam[i], seed++);
+  }
   cases += adam.size();
 
+  // Launches per call, 4 KB vs 32 KB parameter space: 1000 tiny tensors.
+  for (int large = 0; large < 2; ++large) {
+    mpf_emulation::large_kernel_params = large == 1;
+    AdamCase c{"adam_step: 1000 tiny tensors, launch count", many_sizes(1000, 5), kNoMaster};
+    const long long before = mpf_emulation::launch_state.launches;
+    run_adam(c, seed++);
+    const long long got = mpf_emulation::launch_state.launches - before;
+    const long long per = large ? cuda::MtaMeta<cuda::kAdamDepth, cuda::kMaxParamBytesLarge>::kMaxTensors
+                                : cuda::MtaMeta<cuda::kAdamDepth>::kMaxTensors;
+    const long long steps = large ? 4000 : 500;
+    const long long want = (1000 + per - 1) / per + (1000 + steps - 1) / steps;
+    EXPECT(got == want, "%s (%s params): %lld launches, expected %lld", c.name,
+           large ? "32 KB" : "4 KB", got, want);
+    std::printf("1000 tensors: %lld launches with %s kernel parameters (%lld tensors each)\n", got,
+                large ? "32 KB" : "4 KB", per);
+    ++cases;
+  }
   std::printf("emulated launches %lld, blocks %lld\n", (long long)mpf_emulation::launch_state.launches,
               (long long)mpf_emulation::launch_state.blocks);
   return emu_test::report(cases);

@@ -168,6 +168,9 @@ struct LaunchState {
 inline LaunchState launch_state;
 // multi_tensor_apply.cuh's blocks-per-launch limit under emulation (the device's is 2^30).
 inline int64_t max_blocks_per_launch = int64_t(1) << 30;
+// Whether multi_tensor_apply.cuh / increment_steps use the 32 KB kernel parameter space (CUDA
+// >= 12.1) or the 4 KB one: the emulation compiles both and tests run each.
+inline bool large_kernel_params = false;
 
 // Seeds the block order and the thread interleavings (tests pass a fresh seed each run).
 inline void seed(uint64_t s) {
@@ -442,7 +445,9 @@ struct Launch {
       const bool ok = run_block(int(block.x),
                                 [](void* p) {
                                   const Arg* a = static_cast<const Arg*>(p);
-                                  std::apply(a->kernel, Params(*a->params));
+                                  // by-value parameters are copied per thread here;
+                                  // MPF_PARAM_TABLE ones (const&) are read in place
+                                  std::apply(a->kernel, *a->params);
                                 },
                                 &arg);
       if (!ok) {
