@@ -6,9 +6,9 @@
 #   env:   TORCH_SPEC (torch==2.14.1)  VENV (/tmp/cudavenv)  MAX_JOBS (2)
 #          TORCH_CUDA_ARCH_LIST ("8.0;9.0+PTX", setup.py's default)  TESTS (pytest args: "tests")
 # It builds a clone of the committed REV in WORKDIR (default /tmp/mpfused-cudabuild), never the
-# checkout it is called from, so an editable install there is not disturbed. Not run by CI: a
-# 5.5 GB torch install, a ~20-minute CUDA build on 2 cores and the suite again do not fit CI's
-# 90 minutes next to its own run. Result: WORKDIR/result.txt (and the logs beside it).
+# checkout it is called from, so an editable install there is not disturbed. About 20 minutes on
+# 2 cores (README, "Install and build switches": its last result; not run by CI yet).
+# Result: WORKDIR/result.txt (and the logs beside it).
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 rev=$(git -C "$repo" rev-parse "${1:-HEAD}")
