@@ -170,7 +170,7 @@ def _binding_cmds(tmp: Path) -> dict[str, list[str]] | str:
         (stub / "c10" / "cuda" / "impl").mkdir(parents=True, exist_ok=True)
         (stub / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h").write_text(
             "#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
-    flags = ["-std=c++17", "-fsyntax-only", "-I", str(ROOT / "csrc" / "include")]
+    flags = [_setup_cxx_std(inc[0]), "-fsyntax-only", "-I", str(ROOT / "csrc" / "include")]
     for p in [*inc, cuda_inc, str(stub)]:
         flags += ["-isystem", p]
     return {Path(b).name: [cxx, *flags, b] for b in BINDINGS}
@@ -191,6 +191,17 @@ def _setup_cxx_flags() -> list[str]:
                 and isinstance(node.value, ast.List)):
             return [e.value for e in node.value.elts if isinstance(e, ast.Constant)]
     raise AssertionError("setup.py has no `cxx = [...]` flag list")
+
+
+def _setup_cxx_std(torch_include: str) -> str:
+    """The C++ standard setup.py builds the bindings with (its _cxx_std: torch 2.14 needs C++20),
+    without running setup()."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    keep = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "_cxx_std"]
+    assert keep, "setup.py has no _cxx_std"
+    ns = {"os": os, "re": re}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), "setup.py", "exec"), ns)
+    return ns["_cxx_std"](torch_include)
 
 
 def _setup_exact_math_guard():
