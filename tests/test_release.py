@@ -324,3 +324,42 @@ def test_release_never_syncs_cuda(dtype):
             scaler.update()
         finally:
             torch.cuda.set_sync_debug_mode(0)
+
+
+def _profiled_peak_bytes(step) -> int:
+    """Peak of the CPU allocations live during `step()`, from torch.profiler's memory timeline
+    (profile_memory=True): every allocation and free the step makes, summed over time."""
+    from torch.profiler import ProfilerActivity, profile
+    memory_profiler = pytest.importorskip("torch.profiler._memory_profiler")
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True,
+                 with_stack=True) as prof:
+        step()
+    timeline = memory_profiler.MemoryProfileTimeline(prof._memory_profile())
+    _, sizes = timeline._coalesce_timeline(torch.device("cpu"))
+    return max(sum(s) for s in sizes)
+
+
+def test_profiled_training_step_never_holds_the_grad_buffer():
+    """Allocations recorded by torch.profiler (profile_memory=True) over a whole training step
+    (forward, backward, step, zero_grad) of a model whose grads, not its activations, set the
+    peak (8 bf16 layers of 256x256, batch 16): with release the peak is lower by most of the
+    grads' bytes (2 buckets + the largest grad may be alive at once; the ordinary step holds all
+    of them). Measured: 8.53 MB ordinary, 7.80 MB with release, grads 1.05 MB."""
+    peaks, grad_bytes = {}, 0
+    for release in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)]).bfloat16()
+        opt = mpfused.AdamW(model.parameters(), lr=1e-3)
+        if release:
+            mpfused.step_in_backward(opt, bucket_bytes=200_000)
+        x = torch.randn(16, 256).bfloat16()
+
+        def step():
+            model(x).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        step()  # state exists before the profiled step
+        peaks[release] = _profiled_peak_bytes(step)
+        grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = 256 * 256 * 2
+    assert peaks[False] - peaks[True] >= grad_bytes - (2 * 200_000 + largest), (peaks, grad_bytes)
