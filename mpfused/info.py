@@ -15,8 +15,12 @@ from mpfused.ops import OPS
 
 
 def source_commit() -> str:
-    """Short git commit of the source tree mpfused runs from ("unknown" outside a checkout):
-    recorded with every benchmark result."""
+    """Short git commit of the source tree mpfused runs from: ``MPFUSED_COMMIT`` when set (a copy
+    of the tree without ``.git``, as on a lent GPU machine), else git, else "unknown"; recorded
+    with every benchmark result."""
+    env = os.environ.get("MPFUSED_COMMIT", "").strip()
+    if env:
+        return env[:7]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                              text=True, cwd=Path(__file__).parent, timeout=10).stdout.strip()

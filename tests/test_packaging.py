@@ -112,6 +112,18 @@ def test_info_reports():
     assert "native extension:" in r.stdout and "torch" in r.stdout
 
 
+def test_source_commit_prefers_mpfused_commit(monkeypatch):
+    """A tree without .git (a lent GPU machine) names its commit through MPFUSED_COMMIT, which
+    every benchmark result records; without it, git's short commit of this checkout."""
+    from mpfused.info import source_commit
+
+    monkeypatch.delenv("MPFUSED_COMMIT", raising=False)
+    from_git = source_commit()
+    monkeypatch.setenv("MPFUSED_COMMIT", "0123456789abcdef0123456789abcdef01234567")
+    assert source_commit() == "0123456"
+    assert from_git != "0123456"
+
+
 def test_triton_kernels_installed_under_mpfused(tmp_path):
     """A wheel holds mpfused/triton_kernels and never a top-level triton_kernels package."""
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps",
