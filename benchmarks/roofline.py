@@ -26,6 +26,8 @@ import mpfused
 from mpfused import quant_maps as qm
 from mpfused.ops import OPS
 
+from benchmarks.common import median_time
+
 # name: (op, param dtype, master mode)
 CASES = {
     "check_bf16": ("check_grads", torch.bfloat16, None),
@@ -73,26 +75,6 @@ def make_case(name: str, n: int, device: str):
     return (lambda: OPS[op]([p], [g], [c1], [c2], [a1], [a2], masters, steps, q1, q2, block, 1e-3,
                             None, 0.9, 0.999, 1e-8, 0.01, False, True, mode, *tail,
                             backend=BACKEND)), moved
-
-
-def median_time(fn, device: str, warmup: int, reps: int) -> float:
-    """Median seconds of fn: CUDA events around each call on a GPU, a synchronized clock on CPU."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        if device == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-        else:
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-    return statistics.median(times)
 
 
 def kernel_rows(names, n: int, device: str, warmup: int, reps: int) -> list[dict]:
