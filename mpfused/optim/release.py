@@ -110,6 +110,7 @@ class GradRelease:
         self._norm_sq_prev: torch.Tensor | None = None
         self._epoch = self._state_obj = None
         self._plans: dict[tuple, object] = {}  # (group index, ready indices) -> GroupPlan
+        self._slots: dict[int, list] = {}  # group index -> its grad list (see _step_ready)
         self._ddp, self._lock = ddp, threading.Lock()
         if ddp is None:
             self._make_chunks()
@@ -242,9 +243,21 @@ class GradRelease:
         one read-only check pass and one update launch per (device, dtype, state kind)."""
         opt = self.optimizer
         group = opt.param_groups[group_index]
-        grads = [None] * len(group["params"])
+        # The planner indexes a group-length grad list: one per group, kept, in which only this
+        # bucket's slots are filled (a new list per bucket would cost O(group) per bucket).
+        grads = self._slots.get(group_index)
+        if grads is None or len(grads) != len(group["params"]):
+            grads = self._slots[group_index] = [None] * len(group["params"])
         for i, g in zip(ready, ready_grads):
             grads[i] = g
+        try:
+            self._update(group, group_index, ready, grads)
+        finally:
+            for i in ready:
+                grads[i] = None
+
+    def _update(self, group, group_index: int, ready: tuple, grads: list) -> None:
+        opt = self.optimizer
         plan = self._plan_for(group_index, ready, grads)
         # One decision for all of them (the release bucket is the unit that is skipped, however
         # the planner splits it by dtype and state kind): the flags combined with MAX.
@@ -253,6 +266,8 @@ class GradRelease:
             gs = b.take(grads)
             dev = b.state["local_params"][0].device
             checked.append((b, gs, dev) + self._check(gs, dev))
+        if not checked:
+            return
         found = checked[0][3]
         for _, _, _, f, _ in checked[1:]:
             found = torch.maximum(found, f.to(found.device))
@@ -264,8 +279,7 @@ class GradRelease:
                         (self._scale_on(dev), found.to(dev), clip_sq,
                          float(opt.max_grad_norm or 0.0), opt._seed))
             self._record(None, norm_sq, dev)
-        if checked:
-            self._record(found, None, found.device)
+        self._record(found, None, found.device)
 
     def _plan_for(self, group_index: int, ready: tuple, grads: list):
         """The kernel plan of these ready params (cached: the same sets come every step), made by
