@@ -198,6 +198,9 @@ def _dtensor_worker(rank: int, world: int, out_dir: str) -> None:
         full = [p.full_tensor() for p in params]
         if rank == 0:
             torch.save(full, os.path.join(out_dir, "full.pt"))
+        # both ranks done before either tears gloo down: a rank that exits while the other is
+        # still closing aborted once in CI ("terminate called without an active exception")
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
