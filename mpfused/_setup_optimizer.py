@@ -26,9 +26,9 @@ def optimizer_class(optimizer):
 def takes_master_weights(cls) -> bool:
     """mpfused's optimizers (and subclasses, or any class naming the argument) take
     master_weights; torch.optim's and other plain optimizers do not."""
-    from mpfused.optim.adamw import AdamW
+    from mpfused.optim.engine import FusedOptimizer
 
-    if issubclass(cls, AdamW):
+    if issubclass(cls, FusedOptimizer):
         return True
     try:
         return "master_weights" in inspect.signature(cls).parameters
