@@ -31,7 +31,8 @@ def _plain_dicts(optimizer, state_dict):
 # the param's device (floating state as fp32, integer state as saved), converting a
 # torch.optim.AdamW state on the way (16-bit moments become fp32, a missing master is taken from
 # the param).
-PER_ELEMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "master", "master_remainder")
+PER_ELEMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "master",
+                    "master_remainder")
 # AdamW8bit (v2) / bitsandbytes (>= 0.49.2 nests its quantized keys under the last one)
 _8BIT_SAVED_KEYS = ("state1", "state2", "absmax1", "absmax2", "__bnb_optimizer_quant_state__")
 
