@@ -1,6 +1,6 @@
 """Constructor errors as torch's: torch's own error inputs for Adam and AdamW
 (torch.testing._internal.common_optimizers.optim_db, ``optim_error_inputs_func``) run against
-mpfused.Adam / AdamW / Adam8bit / AdamW8bit, asserting torch's exception type and message regex.
+mpfused.Adam / AdamW / Adam8bit / AdamW8bit (and torch's SGD inputs against mpfused.SGD), asserting torch's exception type and message regex.
 
 Deliberate exclusions (README, "Where mpfused.AdamW / Adam differ"):
 * "a param group cannot have duplicate parameters": torch warns (UserWarning) and keeps the
@@ -23,7 +23,8 @@ OptimizerErrorEnum = common_optimizers.OptimizerErrorEnum
 
 # mpfused class -> the torch class whose error inputs it must pass
 PAIRS = [(mpfused.Adam, torch.optim.Adam), (mpfused.AdamW, torch.optim.AdamW),
-         (mpfused.Adam8bit, torch.optim.Adam), (mpfused.AdamW8bit, torch.optim.AdamW)]
+         (mpfused.Adam8bit, torch.optim.Adam), (mpfused.AdamW8bit, torch.optim.AdamW),
+         (mpfused.SGD, torch.optim.SGD)]
 EXCLUDED = {"a param group cannot have duplicate parameters"}
 
 
@@ -62,7 +63,7 @@ def _expect_error(cls, error_input):
 @pytest.mark.parametrize("cls,torch_cls", PAIRS, ids=lambda c: getattr(c, "__name__", ""))
 def test_torch_error_inputs(cls, torch_cls):
     inputs = _torch_error_inputs(torch_cls)
-    assert len(inputs) >= 12  # torch's list was found and read
+    assert len(inputs) >= (9 if torch_cls is torch.optim.SGD else 12)  # torch's list was read
     for error_input in inputs:
         desc = error_input.optimizer_error_input.desc
         if desc in EXCLUDED:
@@ -74,7 +75,7 @@ def test_torch_error_inputs(cls, torch_cls):
             raise AssertionError(f"{cls.__name__}: torch error input {desc!r}: {e!r}") from e
 
 
-@pytest.mark.parametrize("cls", [mpfused.AdamW, mpfused.Adam8bit])
+@pytest.mark.parametrize("cls", [mpfused.AdamW, mpfused.Adam8bit, mpfused.SGD, mpfused.Lion])
 def test_duplicate_param_warns_then_raises(cls):
     p = torch.nn.Parameter(torch.randn(2))
     with pytest.warns(UserWarning, match="a parameter group with duplicate parameters"):

@@ -1,5 +1,5 @@
 """torch's own optimizer test database (``torch.testing._internal.common_optimizers.optim_db``):
-every configuration torch tests Adam and AdamW with, run through mpfused.Adam / AdamW on fp32
+every configuration torch tests Adam, AdamW and SGD with, run through mpfused.Adam / AdamW / SGD on fp32
 params and compared with torch's fp32 for-loop on the same grads (issue 20: "the project's own
 suite should exercise torch's optimizer database configs"). The CUDA list is the superset
 (capturable, tensor lr, tensor betas); it runs here on CPU, where torch's reference takes the
@@ -13,7 +13,11 @@ from tests.tolerances import TRAJ_TOL
 
 common_optimizers = pytest.importorskip("torch.testing._internal.common_optimizers")
 
-PAIRS = {"Adam": (mpfused.Adam, torch.optim.Adam), "AdamW": (mpfused.AdamW, torch.optim.AdamW)}
+PAIRS = {"Adam": (mpfused.Adam, torch.optim.Adam), "AdamW": (mpfused.AdamW, torch.optim.AdamW),
+         "SGD": (mpfused.SGD, torch.optim.SGD)}
+# torch's state keys per optimizer (mpfused.SGD adds a step counter torch's SGD does not keep)
+TORCH_KEYS = {"Adam": ("exp_avg", "exp_avg_sq"), "AdamW": ("exp_avg", "exp_avg_sq"),
+              "SGD": ("momentum_buffer",)}
 
 
 def _configs():
@@ -39,7 +43,7 @@ def _clone(value):
 
 
 def test_the_database_was_read():
-    assert len(CONFIGS) >= 10  # Adam and AdamW: 5 CPU configs each, plus the CUDA ones
+    assert len(CONFIGS) >= 19  # Adam and AdamW: 5 CPU configs each, plus the CUDA ones; SGD 9
 
 
 @pytest.mark.parametrize("name,kwargs", CONFIGS)
@@ -60,13 +64,26 @@ def test_torch_config_trajectory(name, kwargs):
         o_ours.step()
     for a, b in zip(ref, ours):
         torch.testing.assert_close(b, a, **TRAJ_TOL)
-        for key in ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if kwargs.get("amsgrad")
-                                                 else ()):
+        keys = TORCH_KEYS[name] + (("max_exp_avg_sq",) if kwargs.get("amsgrad") else ())
+        assert set(o_ref.state[a]) - {"step"} == set(keys) & set(o_ours.state[b])
+        for key in set(keys) & set(o_ref.state[a]):
             torch.testing.assert_close(o_ours.state[b][key], o_ref.state[a][key], **TRAJ_TOL)
-        assert o_ours.state[b]["step"].item() == o_ref.state[a]["step"].item()
+        if "step" in o_ref.state[a]:
+            assert o_ours.state[b]["step"].item() == o_ref.state[a]["step"].item()
     # the state_dict loads into torch's optimizer and back (same keys, same layout)
     sd = o_ours.state_dict()
     twin = torch_cls([torch.nn.Parameter(p.detach().clone()) for p in ours], foreach=False,
                      **ref_kwargs)
     twin.load_state_dict(sd)
-    assert set(twin.state_dict()["state"][0]) == set(o_ref.state_dict()["state"][0])
+    assert set(twin.state_dict()["state"][0]) - {"step"} == set(o_ref.state_dict()["state"][0]) - {"step"}
+    # and torch's state_dict loads into ours: the next steps agree
+    back = ours_cls([torch.nn.Parameter(p.detach().clone()) for p in ref],
+                    **{k: _clone(v) for k, v in kwargs.items()})
+    back.load_state_dict(o_ref.state_dict())
+    for a, b in zip(ref, back.param_groups[0]["params"]):
+        a.grad = torch.randn(a.shape, generator=gen)
+        b.grad = a.grad.clone()
+    o_ref.step()
+    back.step()
+    for a, b in zip(ref, back.param_groups[0]["params"]):
+        torch.testing.assert_close(b, a, **TRAJ_TOL)

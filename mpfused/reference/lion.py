@@ -17,6 +17,7 @@ def lion_step_(params, grads, exp_avgs, masters, steps, lr, lr_tensor, beta1, be
             master_mode, grad_scale, found_inf, norm_sq, max_grad_norm, param_ids, elem_offsets):
         m = exp_avgs[i].double()
         c = beta1 * m + (1 - beta1) * g
-        w = w - lr * torch.sign(c)  # torch.sign: 0 -> 0, NaN -> NaN
+        sign = torch.where(torch.isnan(c), c, torch.sign(c))  # 0 -> 0; NaN stays NaN (not
+        w = w - lr * sign                                     # torch.sign's 0)
         exp_avgs[i].copy_(beta2 * m + (1 - beta2) * g)
         write_master(p, master, mode, w.float(), seed, t, stream)

@@ -27,9 +27,10 @@ MPF_HD LionScalars lion_scalars(double lr, double beta1, double beta2, double we
   return s;
 }
 
-// torch.sign: +1 / -1, a zero keeps itself (sign(0) = 0: an exactly balanced interpolation moves
-// nothing, as in torch, lion-pytorch and bitsandbytes), and NaN stays NaN (bitsandbytes' integer
-// sign would turn a NaN gradient into a silent zero step; a NaN must show in the weights).
+// +1 / -1, a zero keeps itself (sign(0) = 0: an exactly balanced interpolation moves nothing, as
+// torch.sign in lion-pytorch and bitsandbytes' sign), and NaN stays NaN. That last is a deliberate
+// difference: torch.sign and bitsandbytes map NaN to 0, so a NaN gradient there makes a silent zero
+// step and a NaN moment that freezes the param for good; here the NaN shows in the weights.
 MPF_HD float sign_f32(float x) { return x > 0.f ? 1.f : (x < 0.f ? -1.f : x); }
 
 // One Lion update of the fp32 value w with its moment m:
