@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -337,135 +336,5 @@ def setup(model: nn.Module, optimizer="adamw", dtype="auto", lr=1e-3, weight_dec
     return model, opt, scaler
 
 
-# ---- estimate_memory -------------------------------------------------------------------------
-# recipe -> (description, 16-bit weights?, master bytes per 16-bit param, 8-bit state?)
-RECIPES = {
-    "native": ("fp32 weights + autocast, fp32 moments (torch.amp)", False, 0, False),
-    "master": ("16-bit weights + fp32 master + fp32 moments", True, 4, False),
-    "remainder": ("bf16 weights + int16 remainder + fp32 moments", True, 2, False),
-    "no-master": ("16-bit weights (stochastic rounding) + fp32 moments", True, 0, False),
-    "8bit": ("16-bit weights + fp32 master + 8-bit moments", True, 4, True),
-    "8bit-remainder": ("bf16 weights + int16 remainder + 8-bit moments", True, 2, True),
-    "8bit-no-master": ("16-bit weights (stochastic rounding) + 8-bit moments", True, 0, True),
-}
-
-
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n}"
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Training-state bytes of one recipe (weights, grads, master weights, optimizer state)."""
-    recipe: str
-    description: str
-    num_params: int
-    weights: int
-    grads: int
-    master: int
-    optimizer_state: int
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.grads + self.master + self.optimizer_state
-
-    @property
-    def bytes_per_param(self) -> float:
-        return self.total / max(self.num_params, 1)
-
-    def per_param(self) -> dict:
-        n = max(self.num_params, 1)
-        return {k: getattr(self, k) / n for k in
-                ("weights", "grads", "master", "optimizer_state", "total")}
-
-    def __str__(self) -> str:
-        rows = [f"recipe {self.recipe!r} ({self.description}), {self.num_params:,} params"]
-        for key, value in self.per_param().items():
-            label = key.replace("_", " ")
-            rows.append(f"  {label:<16}{value:6.2f} B/param  {_fmt_bytes(getattr(self, key)):>12}")
-        return "\n".join(rows)
-
-
-def _8bit_state_bytes(numel: int, block_size: int) -> int:
-    return 2 * numel + 2 * 4 * math.ceil(numel / block_size)
-
-
-def estimate_memory(model_or_param_count, recipe: str = "master", *, keep_fp32=None,
-                    block_size: int = 256, min_8bit_size: int = 4096,
-                    release: bool = False) -> MemoryEstimate:
-    """Bytes of weights, grads, master weights and optimizer state for a recipe (``RECIPES``):
-
-    =================  =======  =====  ======  =====  =====
-    recipe             weights  grads  master  state  total
-    =================  =======  =====  ======  =====  =====
-    ``native``         4        4      0       8      16
-    ``master``         2        2      4       8      16
-    ``remainder``      2        2      2       8      14
-    ``no-master``      2        2      0       8      12
-    ``8bit``           2        2      4       2.03   ~10
-    ``8bit-remainder`` 2        2      2       2.03   ~8
-    ``8bit-no-master`` 2        2      0       2.03   ~6
-    =================  =======  =====  ======  =====  =====
-
-    For a parameter count these are the per-parameter figures. For a model every parameter is
-    counted once (tied weights too): fp32 islands (``keep_fp32``, as ``cast_model``; for a model
-    already cast, its fp32 params) take 4 B weights and grads and no master; params with fewer
-    than ``min_8bit_size`` elements keep fp32 moments in the 8-bit recipes; each param adds a
-    4-byte step counter and each 8-bit state one fp32 absmax per ``block_size`` elements; frozen
-    params count as weights only. Activations, autocast's cast cache, temporaries and allocator
-    slack are not included.
-
-    ``release=True`` (or a recipe name ending in ``-release``, e.g. ``"8bit-remainder-release"``):
-    the step inside the backward (``mpfused.step_in_backward``) frees each grad as it is used, so
-    no grad buffer is counted; during the backward at most two release buckets of grads
-    (``bucket_bytes``, 4 MiB by default) and the largest grad are alive at once.
-    """
-    if recipe.endswith("-release"):
-        recipe, release = recipe[:-len("-release")], True
-    if recipe not in RECIPES:
-        raise ValueError(f"recipe must be one of {list(RECIPES)} (optionally with '-release'), "
-                         f"got {recipe!r}")
-    description, half, master_b, eight = RECIPES[recipe]
-    if release:
-        recipe, description = recipe + "-release", description + ", grads released in backward"
-    w_b = 2 if half else 4
-    if isinstance(model_or_param_count, nn.Module):
-        est = _estimate_model(model_or_param_count, recipe.removesuffix("-release"), keep_fp32,
-                              block_size, min_8bit_size)
-        return (replace(est, recipe=recipe, description=description, grads=0)
-                if release else est)
-    n = int(model_or_param_count)
-    state_b = 2 * (1 + 4 / block_size) if eight else 8
-    return MemoryEstimate(recipe, description, n, w_b * n, 0 if release else w_b * n,
-                          master_b * n, round(state_b * n))
-
-
-def _estimate_model(model, recipe, keep_fp32, block_size, min_8bit_size) -> MemoryEstimate:
-    description, half, master_b, eight = RECIPES[recipe]
-    params, seen = [], set()
-    for p in model.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            params.append(p)
-    if getattr(model, "_mpfused_amp", None) is not None or any(p.dtype in _HALF for p in params):
-        fp32_ids = {id(p) for p in params if p.dtype == torch.float32}
-    else:
-        fp32_ids = {id(p) for _, m in _fp32_islands(model, keep_fp32) for p in m.parameters()}
-    weights = grads = master = state = 0
-    for p in params:
-        n = p.numel()
-        is_half = half and id(p) not in fp32_ids
-        b = 2 if is_half else 4
-        weights += b * n
-        if not p.requires_grad:
-            continue
-        grads += b * n
-        master += master_b * n if is_half else 0
-        state += 4  # step
-        state += _8bit_state_bytes(n, block_size) if eight and n >= min_8bit_size else 8 * n
-    return MemoryEstimate(recipe, description, sum(p.numel() for p in params), weights, grads,
-                          master, state)
+# estimate_memory lives in mpfused/memory_estimate.py; mpfused.amp keeps the names
+from mpfused.memory_estimate import RECIPES, MemoryEstimate, estimate_memory  # noqa: E402,F401
