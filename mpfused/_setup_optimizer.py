@@ -6,7 +6,8 @@ import inspect
 
 import torch
 
-_OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "adamw8bit": "AdamW8bit", "adam8bit": "Adam8bit"}
+_OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "adamw8bit": "AdamW8bit", "adam8bit": "Adam8bit",
+               "sgd": "SGD", "lion": "Lion", "sgd8bit": "SGD8bit", "lion8bit": "Lion8bit"}
 
 
 def optimizer_class(optimizer):

@@ -63,13 +63,17 @@ class MemoryEstimate:
         return "\n".join(rows)
 
 
-def _8bit_state_bytes(numel: int, block_size: int) -> int:
-    return 2 * numel + 2 * 4 * math.ceil(numel / block_size)
+# optimizer -> per-element state tensors (moments / buffers) it keeps
+STATES = {"adamw": 2, "adam": 2, "sgd": 1, "lion": 1}
+
+
+def _8bit_state_bytes(numel: int, block_size: int, states: int = 2) -> int:
+    return states * (numel + 4 * math.ceil(numel / block_size))
 
 
 def estimate_memory(model_or_param_count, recipe: str = "master", *, keep_fp32=None,
                     block_size: int = 256, min_8bit_size: int = 4096,
-                    release: bool = False) -> MemoryEstimate:
+                    release: bool = False, optimizer: str = "adamw") -> MemoryEstimate:
     """Bytes of weights, grads, master weights and optimizer state for a recipe (``RECIPES``):
 
     =================  =======  =====  ======  =====  =====
@@ -92,6 +96,10 @@ def estimate_memory(model_or_param_count, recipe: str = "master", *, keep_fp32=N
     params count as weights only. Activations, autocast's cast cache, temporaries and allocator
     slack are not included.
 
+    ``optimizer``: ``"adamw"`` / ``"adam"`` (two moments: the table), ``"sgd"`` (with momentum)
+    or ``"lion"`` (one state tensor: half the state column, e.g. ``8bit-remainder`` with Lion is
+    2 + 2 + 2 + 1.02 ~ 7 B/param).
+
     ``release=True`` (or a recipe name ending in ``-release``, e.g. ``"8bit-remainder-release"``):
     the step inside the backward (``mpfused.step_in_backward``) frees each grad as it is used, so
     no grad buffer is counted; during the backward at most two release buckets of grads
@@ -102,22 +110,28 @@ def estimate_memory(model_or_param_count, recipe: str = "master", *, keep_fp32=N
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {list(RECIPES)} (optionally with '-release'), "
                          f"got {recipe!r}")
+    if optimizer not in STATES:
+        raise ValueError(f"optimizer must be one of {list(STATES)}, got {optimizer!r}")
+    states = STATES[optimizer]
     description, half, master_b, eight = RECIPES[recipe]
+    if optimizer not in ("adamw", "adam"):
+        description = description.replace("moments", f"{optimizer} state")
     if release:
         recipe, description = recipe + "-release", description + ", grads released in backward"
     w_b = 2 if half else 4
     if isinstance(model_or_param_count, nn.Module):
         est = _estimate_model(model_or_param_count, recipe.removesuffix("-release"), keep_fp32,
-                              block_size, min_8bit_size)
-        return (replace(est, recipe=recipe, description=description, grads=0)
-                if release else est)
+                              block_size, min_8bit_size, states)
+        return replace(est, recipe=recipe, description=description,
+                       grads=0 if release else est.grads)
     n = int(model_or_param_count)
-    state_b = 2 * (1 + 4 / block_size) if eight else 8
+    state_b = states * ((1 + 4 / block_size) if eight else 4)
     return MemoryEstimate(recipe, description, n, w_b * n, 0 if release else w_b * n,
                           master_b * n, round(state_b * n))
 
 
-def _estimate_model(model, recipe, keep_fp32, block_size, min_8bit_size) -> MemoryEstimate:
+def _estimate_model(model, recipe, keep_fp32, block_size, min_8bit_size,
+                    states: int = 2) -> MemoryEstimate:
     description, half, master_b, eight = RECIPES[recipe]
     params, seen = [], set()
     for p in model.parameters():
@@ -139,6 +153,7 @@ def _estimate_model(model, recipe, keep_fp32, block_size, min_8bit_size) -> Memo
         grads += b * n
         master += master_b * n if is_half else 0
         state += 4  # step
-        state += _8bit_state_bytes(n, block_size) if eight and n >= min_8bit_size else 8 * n
+        state += (_8bit_state_bytes(n, block_size, states) if eight and n >= min_8bit_size
+                  else 4 * states * n)
     return MemoryEstimate(recipe, description, sum(p.numel() for p in params), weights, grads,
                           master, state)

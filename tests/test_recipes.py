@@ -273,7 +273,7 @@ def test_setup_recipes_train(recipe):
 
 def test_setup_errors_and_optimizer_class():
     with pytest.raises(ValueError, match="optimizer"):
-        amp.setup(_mlp(), optimizer="sgd")
+        amp.setup(_mlp(), optimizer="rmsprop")
     model, opt, _ = amp.setup(_mlp(), optimizer=mpfused.Adam, weight_decay=0.0)
     assert type(opt) is mpfused.Adam
     if not HAS_8BIT:
@@ -489,3 +489,26 @@ def test_readme_recipes_run(capsys):
             before = code
             ns, final = run(code)
         assert final < 0.97 * start, code  # it trains (README hyperparameters: slow)
+
+
+def test_estimate_memory_per_optimizer():
+    """SGD (momentum) and Lion keep one state tensor: half of Adam's state bytes."""
+    from mpfused.amp import estimate_memory
+    n = 1 << 20
+    adam = estimate_memory(n, "8bit-remainder-release")
+    lion = estimate_memory(n, "8bit-remainder-release", optimizer="lion")
+    assert lion.optimizer_state * 2 == adam.optimizer_state
+    assert lion.bytes_per_param < 5.1  # 2 weights + 2 remainder + ~1.02 state, no grads
+    sgd = estimate_memory(torch.nn.Linear(256, 64), "master", optimizer="sgd")
+    assert sgd.optimizer_state == 4 * (256 * 64 + 64) + 2 * 4  # fp32 buffer + step counters
+    assert "sgd state" in sgd.description
+    with pytest.raises(ValueError, match="optimizer must be one of"):
+        estimate_memory(n, "master", optimizer="rmsprop")
+
+
+@pytest.mark.parametrize("name,cls", [("sgd", "SGD"), ("lion", "Lion")])
+def test_setup_builds_sgd_and_lion(name, cls):
+    model, opt, _ = mpfused.amp.setup(torch.nn.Linear(8, 8), optimizer=name, dtype="bf16",
+                                      lr=1e-3, master_weights="remainder")
+    assert type(opt) is getattr(mpfused, cls) and opt.defaults["master_weights"] == "remainder"
+    assert model.weight.dtype == torch.bfloat16
