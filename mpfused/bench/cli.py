@@ -5,6 +5,7 @@ import time
 
 import torch
 
+from mpfused.bench.optimizers import FAMILIES
 from mpfused.bench.presets import SIZE_PRESETS, default_size
 from mpfused.bench.recipes import DEFAULT_RECIPES, RECIPES
 from mpfused.bench.runner import DTYPES, BenchOptions, run_benchmark
@@ -34,6 +35,9 @@ def parse_args(argv=None):
     parser.add_argument("--recipes", type=_recipe_list, default=list(DEFAULT_RECIPES),
                         help=f"comma list from: {', '.join(RECIPES)} "
                              f"(default: {','.join(DEFAULT_RECIPES)})")
+    parser.add_argument("--optimizer", choices=sorted(FAMILIES), default="adamw",
+                        help="optimizer family of every recipe: torch's (native), mpfused's with "
+                             "32-bit and 8-bit state, and the peers' 8-bit ones where they have it")
     parser.add_argument("--out", default="bench_out", help="folder for results.json and bench.png")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -49,7 +53,8 @@ def main(argv=None):
     args = parse_args(argv)
     started = time.perf_counter()
     results = run_benchmark(BenchOptions(device=args.device, size=args.size, dtype=args.dtype,
-                                         steps=args.steps, recipes=args.recipes, seed=args.seed))
+                                         steps=args.steps, recipes=args.recipes, seed=args.seed,
+                                         optimizer=args.optimizer))
     results["config"]["wall_seconds"] = round(time.perf_counter() - started, 1)
     os.makedirs(args.out, exist_ok=True)
     json_path = write_json(results, args.out)

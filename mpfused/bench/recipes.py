@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mpfused.bench.optimizers import FAMILIES
+
 
 class RecipeUnavailable(Exception):
     """The recipe cannot run here; the message says why."""
@@ -19,6 +21,12 @@ class Hyperparameters:
     betas: tuple = (0.9, 0.99)
     eps: float = 1e-8
     weight_decay: float = 1e-2
+    optimizer: str = "adamw"  # the family every recipe builds (bench/optimizers.py)
+    momentum: float = 0.9     # SGD's
+
+
+def _family(hp):
+    return FAMILIES[hp.optimizer]
 
 
 @dataclass
@@ -36,8 +44,8 @@ def scaler_wanted(dtype):
     return dtype == torch.float16
 
 
-def _adamw_kwargs(hp):
-    return dict(lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay)
+def _opt_kwargs(hp):
+    return _family(hp).kwargs(hp)
 
 
 def _fp32_copy(base_model, device):
@@ -60,14 +68,16 @@ def _construct(what, build):
 
 def build_native(base_model, device, dtype, hp):
     model = _fp32_copy(base_model, device)
-    # fused is the fastest torch AdamW; foreach, then the for-loop, where fused is unsupported.
+    cls = _family(hp).torch_class
+    cls_name = f"{cls.__module__.replace('.adamw', '').replace('.sgd', '')}.{cls.__name__}"
+    # fused is the fastest torch optimizer; foreach, then the for-loop, where fused is unsupported.
     for impl in ("fused", "foreach", None):
         try:
             kwargs = {impl: True} if impl else {}
-            optimizer = torch.optim.AdamW(model.parameters(), **_adamw_kwargs(hp), **kwargs)
-            name = f"torch.optim.AdamW({impl}=True)" if impl else "torch.optim.AdamW"
+            optimizer = cls(model.parameters(), **_opt_kwargs(hp), **kwargs)
+            name = f"{cls_name}({impl}=True)" if impl else cls_name
             break
-        except (RuntimeError, ValueError):
+        except (RuntimeError, ValueError, TypeError):
             continue
     return TrainSetup(model, optimizer, _torch_scaler(device, dtype), name, scaler_wanted(dtype))
 
@@ -92,7 +102,7 @@ def _build_mpfused(base_model, device, dtype, hp, optimizer_class_name, release=
     # 16-bit weights; the optimizer keeps the fp32 (or remainder) master copy.
     model = copy.deepcopy(base_model).to(device=device, dtype=dtype)
     optimizer = _construct(f"mpfused.{optimizer_class_name}", lambda: optimizer_class(
-        model.parameters(), **_adamw_kwargs(hp), **optimizer_kwargs))
+        model.parameters(), **_opt_kwargs(hp), **optimizer_kwargs))
     enabled = scaler_wanted(dtype)
     scaler = _construct("mpfused.GradScaler", lambda: scaler_class(device.type, enabled=enabled))
     kwargs = ", ".join(f"{k}={v!r}" for k, v in optimizer_kwargs.items())
@@ -106,65 +116,61 @@ def _build_mpfused(base_model, device, dtype, hp, optimizer_class_name, release=
 
 
 def build_mpfused(base_model, device, dtype, hp):
-    return _build_mpfused(base_model, device, dtype, hp, "AdamW", master_weights="fp32")
+    return _build_mpfused(base_model, device, dtype, hp, _family(hp).mpfused,
+                          master_weights="fp32")
 
 
 def build_mpfused_remainder(base_model, device, dtype, hp):
-    return _build_mpfused(base_model, device, dtype, hp, "AdamW", master_weights="remainder")
+    return _build_mpfused(base_model, device, dtype, hp, _family(hp).mpfused,
+                          master_weights="remainder")
 
 
 def build_mpfused_8bit(base_model, device, dtype, hp):
-    return _build_mpfused(base_model, device, dtype, hp, "AdamW8bit", block_size=256,
-                          min_8bit_size=4096, master_weights="fp32")
+    return _build_mpfused(base_model, device, dtype, hp, _family(hp).mpfused_8bit,
+                          block_size=256, min_8bit_size=4096, master_weights="fp32")
 
 
 def build_mpfused_8bit_remainder(base_model, device, dtype, hp):
-    return _build_mpfused(base_model, device, dtype, hp, "AdamW8bit", block_size=256,
-                          min_8bit_size=4096, master_weights="remainder")
+    return _build_mpfused(base_model, device, dtype, hp, _family(hp).mpfused_8bit,
+                          block_size=256, min_8bit_size=4096, master_weights="remainder")
 
 
 def build_mpfused_release(base_model, device, dtype, hp):
-    return _build_mpfused(base_model, device, dtype, hp, "AdamW", release=True,
+    return _build_mpfused(base_model, device, dtype, hp, _family(hp).mpfused, release=True,
                           master_weights="fp32")
 
 
 def build_mpfused_8bit_remainder_release(base_model, device, dtype, hp):
     if dtype != torch.bfloat16:
         raise RecipeUnavailable("the int16 remainder master needs bf16 weights")
-    return _build_mpfused(base_model, device, dtype, hp, "AdamW8bit", release=True,
+    return _build_mpfused(base_model, device, dtype, hp, _family(hp).mpfused_8bit, release=True,
                           block_size=256, min_8bit_size=4096, master_weights="remainder")
 
 
-def _build_peer(base_model, device, dtype, hp, module_name, import_class):
+def _build_peer(base_model, device, dtype, hp, module_name, class_name):
+    if class_name is None:
+        raise RecipeUnavailable(f"{module_name} has no 8-bit {hp.optimizer} optimizer")
     try:
-        optimizer_class = import_class()
+        import importlib
+        optimizer_class = getattr(importlib.import_module(module_name), class_name)
     except Exception as exc:
         raise RecipeUnavailable(f"{module_name} is not usable: {type(exc).__name__}: {exc}") from exc
     model = _fp32_copy(base_model, device)
-    optimizer = _construct(f"{module_name}.AdamW8bit", lambda: optimizer_class(
-        model.parameters(), **_adamw_kwargs(hp)))
-    return TrainSetup(model, optimizer, _torch_scaler(device, dtype), f"{module_name}.AdamW8bit",
-                      scaler_wanted(dtype))
-
-
-def _bnb_adamw8bit():
-    import bitsandbytes.optim
-    return bitsandbytes.optim.AdamW8bit
-
-
-def _torchao_adamw8bit():
-    import torchao.optim
-    return torchao.optim.AdamW8bit
+    name = f"{module_name}.{class_name}"
+    optimizer = _construct(name, lambda: optimizer_class(model.parameters(), **_opt_kwargs(hp)))
+    return TrainSetup(model, optimizer, _torch_scaler(device, dtype), name, scaler_wanted(dtype))
 
 
 def build_bnb(base_model, device, dtype, hp):
-    return _build_peer(base_model, device, dtype, hp, "bitsandbytes.optim", _bnb_adamw8bit)
+    return _build_peer(base_model, device, dtype, hp, "bitsandbytes.optim", _family(hp).bnb)
 
 
 def build_torchao(base_model, device, dtype, hp):
-    return _build_peer(base_model, device, dtype, hp, "torchao.optim", _torchao_adamw8bit)
+    return _build_peer(base_model, device, dtype, hp, "torchao.optim", _family(hp).torchao)
 
 
+# The summaries name the AdamW family (the default); --optimizer sgd|lion builds the same recipes
+# with that family's classes (bench/optimizers.py), and each result records what ran.
 @dataclass(frozen=True)
 class Recipe:
     name: str

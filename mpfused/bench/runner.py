@@ -30,6 +30,7 @@ class BenchOptions:
     steps: int = None          # None: the preset's default
     recipes: list = field(default_factory=list)
     seed: int = 0
+    optimizer: str = "adamw"  # the optimizer family every recipe builds (bench/optimizers.py)
 
 
 def warmup_steps_for(steps):
@@ -99,7 +100,7 @@ def run_benchmark(options, log=print):
     torch.manual_seed(options.seed)
     base_model = CharGPT(model_config)
     n_params = sum(p.numel() for p in base_model.parameters())
-    hp = Hyperparameters(lr=preset.lr)
+    hp = Hyperparameters(lr=preset.lr, optimizer=options.optimizer)
 
     config = {
         "device": str(device),
