@@ -30,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mpfused.triton_kernels._adam_scalars import adam_scalars, load_weight, store_weight
+from mpfused.triton_kernels._adam_scalars import adam_scalars
+from mpfused.triton_kernels._master import load_weight, store_weight
 from mpfused.reference.adam import sr_streams
 from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, i64_bits, load_f32,
                                           num_warps_for)
