@@ -2,11 +2,13 @@
 (csrc/include/mpfused/adam_math.h::adam_scalars): every constant torch derives in double (1 - beta1,
 1 - beta2, lr * weight_decay, the bias-corrected step size, 1 / sqrt(1 - beta2^t)) derived in fp64
 and rounded to fp32 once; beta2 and eps as fp32; the gradient multiplier (unscale, clip,
-maximize); the step number t. Read on the device: nothing here syncs with the host."""
+maximize) and the step number t from _step_scalars. Read on the device: nothing here syncs with
+the host."""
 import triton
 import triton.language as tl
 
 from mpfused.triton_kernels._bits import f64_from_bits
+from mpfused.triton_kernels._step_scalars import grad_multiplier, read_lr, step_number
 
 
 @triton.jit
@@ -16,10 +18,7 @@ def adam_scalars(step_ptr, lr_ptr, scale_ptr, norm_ptr, lr_bits, beta1_bits, bet
     # Float arguments are fp32 when compiled but Python floats (doubles) under the interpreter:
     # fp64 values travel as bit patterns (_bits.f64_bits), eps is rounded to fp32 explicitly, so
     # both see the CPU kernel's values.
-    if HAS_LR:
-        lr64 = tl.load(lr_ptr).to(tl.float32).to(tl.float64)  # a tensor lr: its fp32 value
-    else:
-        lr64 = f64_from_bits(lr_bits)
+    lr64 = read_lr(lr_ptr, lr_bits, HAS_LR)
     x1 = f64_from_bits(beta1_bits)  # the fp64 betas, exactly
     x2 = f64_from_bits(beta2_bits)
     wd64 = f64_from_bits(wd_bits)
@@ -29,7 +28,7 @@ def adam_scalars(step_ptr, lr_ptr, scale_ptr, norm_ptr, lr_bits, beta1_bits, bet
     eps32 = tl.full((), eps, tl.float32)
     # t = step + 1; beta^t in fp64 by binary exponentiation (libdevice pow does not exist in the
     # interpreter): a few fp64 ulps from C's pow, far below the fp32 rounding that follows.
-    ti = (tl.load(step_ptr).to(tl.float64) + 1.0).to(tl.int64)
+    ti = step_number(step_ptr).to(tl.int64)
     e = ti
     pw1 = tl.full((), 1.0, tl.float64)
     pw2 = tl.full((), 1.0, tl.float64)
@@ -42,19 +41,7 @@ def adam_scalars(step_ptr, lr_ptr, scale_ptr, norm_ptr, lr_bits, beta1_bits, bet
         e = e >> 1
     step_size = (lr64 / (1.0 - pw1)).to(tl.float32)
     inv_bc2_sqrt = (1.0 / tl.sqrt(1.0 - pw2)).to(tl.float32)
-    gm = tl.full((), 1.0, tl.float32)
-    if HAS_SCALE:
-        gm = tl.div_rn(gm, tl.load(scale_ptr).to(tl.float32))
-    if HAS_NORM:
-        # fp64 as the CPU kernel: max_grad_norm / (sqrt(norm_sq) + 1e-6), std::min(1.0, q),
-        # rounded to fp32.
-        mgn = f64_from_bits(mgn_bits)
-        norm = tl.sqrt(tl.load(norm_ptr).to(tl.float32).to(tl.float64))
-        q = mgn / (norm + 1e-6)
-        clip = tl.where(q < 1.0, q, 1.0)  # std::min(1.0, q): NaN gives 1
-        gm = gm * clip.to(tl.float32)
-    if MAXIMIZE:
-        gm = -gm
+    gm = grad_multiplier(scale_ptr, norm_ptr, mgn_bits, HAS_SCALE, HAS_NORM, MAXIMIZE)
     if DECOUPLED:
         decay = (lr64 * wd64).to(tl.float32)
         l2 = tl.full((), 0.0, tl.float32)
