@@ -14,12 +14,16 @@ two summation orders of n terms can differ by up to ~n ulps in the worst case, s
 NORM_ULP_BUDGET = 16 ulps, is ~1e-6 relative: far below any effect on clipping). Everything
 downstream of a different norm differs too, so the optimizer comparison takes the norm from one
 check backend
-(the scaler's ``backend="native"``) and the check op is compared on its own with that budget."""
+(the scaler's ``backend="native"``) and the check op is compared on its own with that budget.
+
+SGD and Lion are compared op by op (sgd_step_, lion_step_ over the cases of
+tests/test_sgd_lion_triton.py), skipped while the extension has no native CPU kernel for them."""
 import pytest
 import torch
 
 import mpfused
 from mpfused.ops import OPS
+from tests import test_sgd_lion_triton as SL
 
 pytestmark = pytest.mark.skipif(
     not (OPS["adam_step_"].native_available("cpu") and "triton" in OPS["adam_step_"].available("cpu")),
@@ -109,3 +113,36 @@ def test_check_op_agrees_within_the_norm_budget(dtype):
         assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
     ulp = 2.0 ** (math.frexp(n_n.item())[1] - 24)  # fp32 spacing at the native norm
     assert abs(n_n.item() - n_t.item()) <= NORM_ULP_BUDGET * ulp, (n_n.item(), n_t.item(), seed)
+
+
+# ---- SGD and Lion: the ops themselves (no optimizer classes yet), Triton = native bit for bit --
+def _sgd_lion_native_registered() -> bool:
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"mpfused::{op}", "CPU")
+               for op in ("sgd_step_", "lion_step_"))
+
+
+@pytest.mark.skipif(not _sgd_lion_native_registered(),
+                    reason="the native CPU kernels of sgd_step_ / lion_step_ are not registered "
+                           "(not built into this extension)")
+@pytest.mark.parametrize("case", SL.CASES, ids=SL.case_id)
+def test_sgd_lion_triton_equals_native_bit_for_bit(case):
+    """Every case of tests/test_sgd_lion_triton.py (dtypes x master modes x options: momentum,
+    dampening, Nesterov, L2 / decoupled decay, maximize, tensor lr, unscale, clipping, SR
+    streams), STEPS steps from the same state and grads, the INF_STEP-th skipped by found_inf:
+    params, masters, remainders, buffers / moments and step counters bit for bit."""
+    op, (dtypes, mode, opts) = case
+    tri = SL.make_state(SL.SHAPES, list(dtypes) if isinstance(dtypes, tuple) else dtypes, mode,
+                        "cpu")
+    nat = SL.clone_state(tri)
+    kw, scale, clip = SL.case_kwargs(op, opts, "cpu")
+    for k in range(STEPS):
+        SL.new_grads(tri, scale or 1.0)
+        nat["grads"] = [g.clone() for g in tri["grads"]]
+        extra = SL.scaler_args(tri, scale, clip)
+        if k == INF_STEP:
+            extra["found_inf"] = torch.ones(1)
+        SL.step(op, tri, "triton", master_mode=mode, **kw, **extra)
+        SL.step(op, nat, "native", master_mode=mode, **kw, **extra)
+        for key in SL.KEYS:
+            for i, (a, b) in enumerate(zip(tri[key], nat[key])):
+                assert SL.bits_equal(a, b), f"{op} step {k}: {key}[{i}] differs"
