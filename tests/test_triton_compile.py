@@ -1,6 +1,6 @@
-"""The Triton kernels compiled, not interpreted: every specialization the optimizers, the scaler and
-the SGD / Lion ops launch is compiled ahead of time for sm_80 and sm_90 by tests/triton_aot.py (no
-GPU needed: Triton's own compiler and ptxas), then its PTX and ptxas' resource report are checked.
+"""The Triton kernels compiled, not interpreted: every specialization the optimizers and the scaler
+launch is compiled ahead of time for sm_80 and sm_90 by tests/triton_aot.py (no GPU needed:
+Triton's own compiler and ptxas), then its PTX and ptxas' resource report are checked.
 
 The rest of the suite runs these kernels under TRITON_INTERPRET=1, which never lowers them. What
 only the compiler shows: a kernel that does not compile; FMA contraction, which changes

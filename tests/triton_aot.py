@@ -1,6 +1,5 @@
-"""Compile every Triton kernel specialization that mpfused's optimizers and scaler launch (and the
-SGD / Lion ops, called directly until they have optimizer classes), ahead of time for a CUDA
-target, on a machine without a GPU (run by tests/test_triton_compile.py).
+"""Compile every Triton kernel specialization that mpfused's optimizers and scaler launch, ahead of
+time for a CUDA target, on a machine without a GPU (run by tests/test_triton_compile.py).
 
 The rest of the suite runs the Triton kernels under TRITON_INTERPRET=1, which never lowers them:
 a kernel the interpreter accepts can still fail to compile, or compile to code that differs from
@@ -163,60 +162,35 @@ def drive_adam8bit():
                                 backend="triton"), False)
 
 
-# (param dtype, master_mode) as the optimizers pass them: "fp32" masters for every dtype (fp32
-# params ignore them), "none" for fp16 (round to nearest) and bf16 (stochastic), bf16 remainders
-OP_MODES = ((torch.float32, 1), (torch.float16, 1), (torch.float16, 0), (torch.bfloat16, 1),
-            (torch.bfloat16, 2), (torch.bfloat16, 3))
+def _drive_class(cls, flags, options=lambda on: {}):
+    """An optimizer without a coupled twin (SGD, Lion): every (param dtype, master mode) kernel with
+    all options off and all on, each option alone (fp32 params), and the stochastic-rounding seed
+    as i64 and u64. options(on): the class's own kwargs for the options in `on`."""
+    def step(dtypes, master, on, seed=0):
+        lr = torch.tensor(1e-3) if "lr_tensor" in on else 1e-3
+        opt = cls(_params(dtypes), lr=lr, weight_decay=0.1, maximize="maximize" in on,
+                  master_weights=master, max_grad_norm=1.0 if "clip" in on else None, seed=seed,
+                  backend="triton", **options(on))
+        _step(opt, "scaler" in on)
 
-
-def _drive_op(call, flags):
-    """Ops without an optimizer class yet (SGD, Lion), called directly: every (param dtype, master
-    mode) kernel with all options off and all on, each option alone (fp32 params), and the
-    stochastic-rounding seed as i64 and u64. call(dtype, master_mode, options, seed)."""
-    for dtype, mode in OP_MODES:
-        call(dtype, mode, (), 0)
-        call(dtype, mode, flags, 0)
+    for master in ("fp32", "none", "remainder"):
+        dtypes = [torch.bfloat16] if master == "remainder" else ALL_DTYPES  # bf16 only has one
+        step(dtypes, master, ())
+        step(dtypes, master, flags)
     for flag in flags:
-        call(torch.float32, 1, (flag,), 0)
+        step([torch.float32], "fp32", (flag,))
     for seed in (2**40, 2**64 - 5):
-        call(torch.bfloat16, 3, (), seed)
-
-
-def _op_operands(dtype, mode, on):
-    """(params, grads, fp32 state, masters, steps) of one SIZE tensor, and the optional scalars."""
-    p = torch.randn(SIZE).to(dtype)
-    masters = {1: [p.float()], 2: [torch.zeros(SIZE, dtype=torch.int16)]}.get(mode, [])
-    tensors = ([p], [torch.randn(SIZE).to(dtype)], [torch.zeros(SIZE)], masters, [torch.zeros(())])
-    scalars = dict(lr_tensor=torch.tensor(1e-3) if "lr_tensor" in on else None,
-                   grad_scale=torch.ones(()) if "scaler" in on else None,
-                   found_inf=torch.zeros(()) if "scaler" in on else None,
-                   norm_sq=torch.ones(()) if "clip" in on else None,
-                   max_grad_norm=1.0 if "clip" in on else 0.0)
-    return tensors, scalars
+        step([torch.bfloat16], "none", (), seed)
 
 
 def drive_sgd():
-    from mpfused.triton_kernels.sgd import sgd_step_
-
-    def call(dtype, mode, on, seed):
-        (p, g, buf, m, st), sc = _op_operands(dtype, mode, on)
-        momentum = 0.9 if {"momentum", "nesterov"} & set(on) else 0.0
-        sgd_step_(p, g, buf if momentum else [], m, st, 1e-3, sc["lr_tensor"], momentum, 0.1, 0.1,
-                  "nesterov" in on, "maximize" in on, mode, sc["grad_scale"], sc["found_inf"],
-                  sc["norm_sq"], sc["max_grad_norm"], seed)
-
-    _drive_op(call, ("momentum", "nesterov", "maximize", "lr_tensor", "scaler", "clip"))
+    _drive_class(mpfused.SGD, ("momentum", "nesterov", "maximize", "lr_tensor", "scaler", "clip"),
+                 lambda on: dict(momentum=0.9 if {"momentum", "nesterov"} & set(on) else 0.0,
+                                 nesterov="nesterov" in on))
 
 
 def drive_lion():
-    from mpfused.triton_kernels.lion import lion_step_
-
-    def call(dtype, mode, on, seed):
-        (p, g, m1, m, st), sc = _op_operands(dtype, mode, on)
-        lion_step_(p, g, m1, m, st, 1e-4, sc["lr_tensor"], 0.9, 0.99, 0.1, "maximize" in on, mode,
-                   sc["grad_scale"], sc["found_inf"], sc["norm_sq"], sc["max_grad_norm"], seed)
-
-    _drive_op(call, ("maximize", "lr_tensor", "scaler", "clip"))
+    _drive_class(mpfused.Lion, ("maximize", "lr_tensor", "scaler", "clip"))
 
 
 def drive_scaler():
