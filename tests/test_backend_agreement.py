@@ -16,8 +16,9 @@ downstream of a different norm differs too, so the optimizer comparison takes th
 check backend
 (the scaler's ``backend="native"``) and the check op is compared on its own with that budget.
 
-SGD and Lion are compared op by op (sgd_step_, lion_step_ over the cases of
-tests/test_sgd_lion_triton.py), skipped while the extension has no native CPU kernel for them."""
+SGD and Lion are compared through their optimizers (a few cases above) and op by op (sgd_step_,
+lion_step_ over the cases of tests/test_sgd_lion_triton.py), skipped while the extension has no
+native CPU kernel for them."""
 import pytest
 import torch
 
@@ -45,6 +46,16 @@ CASES = {
     "8bit-bf16-stochastic-clip": (mpfused.AdamW8bit, torch.bfloat16,
                                   {"min_8bit_size": 256, "master_weights": "none",
                                    "max_grad_norm": 0.05}),
+    # SGD and Lion: skipped while their native kernels are not registered (see below)
+    "sgd-fp32-nesterov-L2": (mpfused.SGD, torch.float32,
+                             {"momentum": 0.9, "nesterov": True, "weight_decay": 0.1}),
+    "sgd-bf16-remainder-dampening-clip": (mpfused.SGD, torch.bfloat16,
+                                          {"momentum": 0.9, "dampening": 0.1, "max_grad_norm": 0.05,
+                                           "master_weights": "remainder"}),
+    "sgd-bf16-stochastic-no-momentum": (mpfused.SGD, torch.bfloat16, {"master_weights": "none"}),
+    "lion-fp16-fp32-master": (mpfused.Lion, torch.float16, {"weight_decay": 0.1}),
+    "lion-bf16-stochastic-clip": (mpfused.Lion, torch.bfloat16,
+                                  {"master_weights": "none", "max_grad_norm": 0.05}),
 }
 STEPS = 3
 INF_STEP = 1
@@ -73,7 +84,20 @@ def _run(backend: str, cls, dtype, kwargs, seed: int):
     return out
 
 
-@pytest.mark.parametrize("case", list(CASES))
+def _sgd_lion_native_registered() -> bool:
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"mpfused::{op}", "CPU")
+               for op in ("sgd_step_", "lion_step_"))
+
+
+NO_SGD_LION_NATIVE = pytest.mark.skipif(
+    not _sgd_lion_native_registered(),
+    reason="the native CPU kernels of sgd_step_ / lion_step_ are not registered (not built into "
+           "this extension)")
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=NO_SGD_LION_NATIVE) if CASES[c][0] in (mpfused.SGD, mpfused.Lion) else c
+    for c in CASES])
 def test_triton_equals_native_bit_for_bit(case):
     cls, dtype, kwargs = CASES[case]
     seed = int(torch.randint(0, 2**31, ()).item())  # fresh inputs (conftest's seed)
@@ -115,15 +139,8 @@ def test_check_op_agrees_within_the_norm_budget(dtype):
     assert abs(n_n.item() - n_t.item()) <= NORM_ULP_BUDGET * ulp, (n_n.item(), n_t.item(), seed)
 
 
-# ---- SGD and Lion: the ops themselves (no optimizer classes yet), Triton = native bit for bit --
-def _sgd_lion_native_registered() -> bool:
-    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"mpfused::{op}", "CPU")
-               for op in ("sgd_step_", "lion_step_"))
-
-
-@pytest.mark.skipif(not _sgd_lion_native_registered(),
-                    reason="the native CPU kernels of sgd_step_ / lion_step_ are not registered "
-                           "(not built into this extension)")
+# ---- SGD and Lion op by op over many more option sets: Triton = native bit for bit -----------
+@NO_SGD_LION_NATIVE
 @pytest.mark.parametrize("case", SL.CASES, ids=SL.case_id)
 def test_sgd_lion_triton_equals_native_bit_for_bit(case):
     """Every case of tests/test_sgd_lion_triton.py (dtypes x master modes x options: momentum,
