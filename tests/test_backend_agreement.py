@@ -14,12 +14,17 @@ two summation orders of n terms can differ by up to ~n ulps in the worst case, s
 NORM_ULP_BUDGET = 16 ulps, is ~1e-6 relative: far below any effect on clipping). Everything
 downstream of a different norm differs too, so the optimizer comparison takes the norm from one
 check backend
-(the scaler's ``backend="native"``) and the check op is compared on its own with that budget."""
+(the scaler's ``backend="native"``) and the check op is compared on its own with that budget.
+
+SGD and Lion are compared through their optimizers (a few cases above) and op by op (sgd_step_,
+lion_step_ over the cases of tests/test_sgd_lion_triton.py), skipped while the extension has no
+native CPU kernel for them."""
 import pytest
 import torch
 
 import mpfused
 from mpfused.ops import OPS
+from tests import test_sgd_lion_triton as SL
 
 pytestmark = pytest.mark.skipif(
     not (OPS["adam_step_"].native_available("cpu") and "triton" in OPS["adam_step_"].available("cpu")),
@@ -41,6 +46,16 @@ CASES = {
     "8bit-bf16-stochastic-clip": (mpfused.AdamW8bit, torch.bfloat16,
                                   {"min_8bit_size": 256, "master_weights": "none",
                                    "max_grad_norm": 0.05}),
+    # SGD and Lion: skipped while their native kernels are not registered (see below)
+    "sgd-fp32-nesterov-L2": (mpfused.SGD, torch.float32,
+                             {"momentum": 0.9, "nesterov": True, "weight_decay": 0.1}),
+    "sgd-bf16-remainder-dampening-clip": (mpfused.SGD, torch.bfloat16,
+                                          {"momentum": 0.9, "dampening": 0.1, "max_grad_norm": 0.05,
+                                           "master_weights": "remainder"}),
+    "sgd-bf16-stochastic-no-momentum": (mpfused.SGD, torch.bfloat16, {"master_weights": "none"}),
+    "lion-fp16-fp32-master": (mpfused.Lion, torch.float16, {"weight_decay": 0.1}),
+    "lion-bf16-stochastic-clip": (mpfused.Lion, torch.bfloat16,
+                                  {"master_weights": "none", "max_grad_norm": 0.05}),
 }
 STEPS = 3
 INF_STEP = 1
@@ -69,7 +84,20 @@ def _run(backend: str, cls, dtype, kwargs, seed: int):
     return out
 
 
-@pytest.mark.parametrize("case", list(CASES))
+def _sgd_lion_native_registered() -> bool:
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"mpfused::{op}", "CPU")
+               for op in ("sgd_step_", "lion_step_"))
+
+
+NO_SGD_LION_NATIVE = pytest.mark.skipif(
+    not _sgd_lion_native_registered(),
+    reason="the native CPU kernels of sgd_step_ / lion_step_ are not registered (not built into "
+           "this extension)")
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(c, marks=NO_SGD_LION_NATIVE) if CASES[c][0] in (mpfused.SGD, mpfused.Lion) else c
+    for c in CASES])
 def test_triton_equals_native_bit_for_bit(case):
     cls, dtype, kwargs = CASES[case]
     seed = int(torch.randint(0, 2**31, ()).item())  # fresh inputs (conftest's seed)
@@ -109,3 +137,29 @@ def test_check_op_agrees_within_the_norm_budget(dtype):
         assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))
     ulp = 2.0 ** (math.frexp(n_n.item())[1] - 24)  # fp32 spacing at the native norm
     assert abs(n_n.item() - n_t.item()) <= NORM_ULP_BUDGET * ulp, (n_n.item(), n_t.item(), seed)
+
+
+# ---- SGD and Lion op by op over many more option sets: Triton = native bit for bit -----------
+@NO_SGD_LION_NATIVE
+@pytest.mark.parametrize("case", SL.CASES, ids=SL.case_id)
+def test_sgd_lion_triton_equals_native_bit_for_bit(case):
+    """Every case of tests/test_sgd_lion_triton.py (dtypes x master modes x options: momentum,
+    dampening, Nesterov, L2 / decoupled decay, maximize, tensor lr, unscale, clipping, SR
+    streams), STEPS steps from the same state and grads, the INF_STEP-th skipped by found_inf:
+    params, masters, remainders, buffers / moments and step counters bit for bit."""
+    op, (dtypes, mode, opts) = case
+    tri = SL.make_state(SL.SHAPES, list(dtypes) if isinstance(dtypes, tuple) else dtypes, mode,
+                        "cpu")
+    nat = SL.clone_state(tri)
+    kw, scale, clip = SL.case_kwargs(op, opts, "cpu")
+    for k in range(STEPS):
+        SL.new_grads(tri, scale or 1.0)
+        nat["grads"] = [g.clone() for g in tri["grads"]]
+        extra = SL.scaler_args(tri, scale, clip)
+        if k == INF_STEP:
+            extra["found_inf"] = torch.ones(1)
+        SL.step(op, tri, "triton", master_mode=mode, **kw, **extra)
+        SL.step(op, nat, "native", master_mode=mode, **kw, **extra)
+        for key in SL.KEYS:
+            for i, (a, b) in enumerate(zip(tri[key], nat[key])):
+                assert SL.bits_equal(a, b), f"{op} step {k}: {key}[{i}] differs"

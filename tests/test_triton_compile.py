@@ -89,7 +89,8 @@ def test_every_launch_compiles(compiled, arch):
     report = _report(compiled, arch)
     assert report["errors"] == []
     names = {k["kernel"] for k in report["kernels"]}
-    assert names == {"_adam_kernel", "_adam8bit_kernel", "_check_kernel", "_update_scale_kernel"}
+    assert names == {"_adam_kernel", "_adam8bit_kernel", "_sgd_kernel", "_lion_kernel",
+                     "_check_kernel", "_update_scale_kernel"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -97,15 +98,17 @@ def test_specializations_cover_the_options(compiled, arch):
     report = _report(compiled, arch)
     adam = _kernels(report, "_adam_kernel")
     q8 = _kernels(report, "_adam8bit_kernel")
-    for ks, flags in ((adam, ("AMSGRAD", "DECOUPLED", "MAXIMIZE", "HAS_LR", "HAS_SCALE",
-                              "HAS_FOUND", "HAS_NORM")),
-                      (q8, ("DECOUPLED", "MAXIMIZE", "HAS_LR", "HAS_SCALE", "HAS_FOUND",
-                            "HAS_NORM"))):
+    sgd = _kernels(report, "_sgd_kernel")
+    lion = _kernels(report, "_lion_kernel")
+    scalars = ("MAXIMIZE", "HAS_LR", "HAS_SCALE", "HAS_FOUND", "HAS_NORM")
+    for ks, flags in ((adam, ("AMSGRAD", "DECOUPLED") + scalars), (q8, ("DECOUPLED",) + scalars),
+                      (sgd, ("MOMENTUM", "NESTEROV") + scalars), (lion, scalars)):
         assert {(k["constexprs"]["DT"], k["constexprs"]["MODE"]) for k in ks} == MODE_PAIRS
         for flag in flags:
             assert _values(ks, flag) == {False, True}, flag
         assert _values(ks, "n") == {"i32", "i64"}  # tensors past 2^31 elements
-    assert _values(adam, "seed") == {"i32", "i64", "u64"}
+    for ks in (adam, sgd, lion):
+        assert _values(ks, "seed") == {"i32", "i64", "u64"}
     assert _values(q8, "BLOCK") == {64, 128, 256, 512, 1024, 2048, 4096}
     check = _kernels(report, "_check_kernel")
     assert {(k["constexprs"]["DT"], k["constexprs"]["WRITE"], k["constexprs"]["NORM"])
@@ -139,16 +142,18 @@ def test_the_inexact_math_check_can_fail():
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_elementwise_kernels_vectorize(compiled, arch):
-    """Sizes that are multiples of 16 (aligned data, as torch allocates it): the Adam kernel moves
-    its fp32 operands in 16-byte vectors both ways and the check reads 16-byte vectors. Scalar
-    loads would cost the bandwidth the kernels exist for."""
+    """Sizes that are multiples of 16 (aligned data, as torch allocates it): the Adam, SGD and
+    Lion kernels move their operands in 16-byte vectors both ways and the check reads 16-byte
+    vectors. Scalar loads would cost the bandwidth the kernels exist for."""
     report = _report(compiled, arch)
+    optimizers = ("_adam_kernel", "_sgd_kernel", "_lion_kernel")
     for k in report["kernels"]:
-        if k["kernel"] not in ("_adam_kernel", "_check_kernel") or k["signature"]["n"] != "i32":
+        if k["kernel"] not in optimizers + ("_check_kernel",) or k["signature"]["n"] != "i32":
             continue
         assert re.search(r"ld\.global(\.\w+)*\.v4\.b32", k["ptx"]), (k["kernel"], k["constexprs"])
-        if k["kernel"] == "_adam_kernel":
-            assert re.search(r"st\.global(\.\w+)*\.v4\.b32", k["ptx"]), k["constexprs"]
+        if k["kernel"] in optimizers:
+            assert re.search(r"st\.global(\.\w+)*\.v4\.b32", k["ptx"]), (k["kernel"],
+                                                                          k["constexprs"])
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -162,6 +162,37 @@ def drive_adam8bit():
                                 backend="triton"), False)
 
 
+def _drive_class(cls, flags, options=lambda on: {}):
+    """An optimizer without a coupled twin (SGD, Lion): every (param dtype, master mode) kernel with
+    all options off and all on, each option alone (fp32 params), and the stochastic-rounding seed
+    as i64 and u64. options(on): the class's own kwargs for the options in `on`."""
+    def step(dtypes, master, on, seed=0):
+        lr = torch.tensor(1e-3) if "lr_tensor" in on else 1e-3
+        opt = cls(_params(dtypes), lr=lr, weight_decay=0.1, maximize="maximize" in on,
+                  master_weights=master, max_grad_norm=1.0 if "clip" in on else None, seed=seed,
+                  backend="triton", **options(on))
+        _step(opt, "scaler" in on)
+
+    for master in ("fp32", "none", "remainder"):
+        dtypes = [torch.bfloat16] if master == "remainder" else ALL_DTYPES  # bf16 only has one
+        step(dtypes, master, ())
+        step(dtypes, master, flags)
+    for flag in flags:
+        step([torch.float32], "fp32", (flag,))
+    for seed in (2**40, 2**64 - 5):
+        step([torch.bfloat16], "none", (), seed)
+
+
+def drive_sgd():
+    _drive_class(mpfused.SGD, ("momentum", "nesterov", "maximize", "lr_tensor", "scaler", "clip"),
+                 lambda on: dict(momentum=0.9 if {"momentum", "nesterov"} & set(on) else 0.0,
+                                 nesterov="nesterov" in on))
+
+
+def drive_lion():
+    _drive_class(mpfused.Lion, ("maximize", "lr_tensor", "scaler", "clip"))
+
+
 def drive_scaler():
     # through the public API: unscale_ (the writing pass) + clip_grad_norm_ + update; torch and
     # mpfused refuse unscale_ on fp16 grads
@@ -189,6 +220,8 @@ def drive_64bit_sizes():
     from mpfused.triton_kernels import adam8bit
     from mpfused.triton_kernels.adam import adam_step_
     from mpfused.triton_kernels.amp import unscale_grads_
+    from mpfused.triton_kernels.lion import lion_step_
+    from mpfused.triton_kernels.sgd import sgd_step_
     n = 2**31 + 5
 
     def big(dtype=torch.float32, size=n):
@@ -201,6 +234,10 @@ def drive_64bit_sizes():
     adam_step_([big(bf16)], [big(bf16)], [big()], [big()], [big()], [big()], [one()], 1e-3,
                one(), 0.9, 0.999, 1e-8, 0.1, True, False, True, 1, one(), None, one(), 1.0)
     unscale_grads_([big(bf16)], one(), one(), one())
+    sgd_step_([big(bf16)], [big(bf16)], [big()], [big()], [one()], 1e-3, one(), 0.9, 0.0, 0.1,
+              True, False, 1, one(), None, one(), 1.0)
+    lion_step_([big(bf16)], [big(bf16)], [big()], [big()], [one()], 1e-4, one(), 0.9, 0.99, 0.1,
+               False, 1, one(), None, one(), 1.0)
     blocks = (n + 255) // 256
     with mock.patch.object(adam8bit, "thresholds", lambda qmap: big(size=255)), \
             mock.patch.object(adam8bit, "zero_code", lambda qmap: 127):
@@ -234,7 +271,8 @@ def main():
         usable = registry.triton_usable
         registry.triton_usable = lambda device_type: device_type == "cpu" or usable(device_type)
         errors = []
-        for drive in (drive_adam, drive_adam8bit, drive_scaler, drive_64bit_sizes):
+        for drive in (drive_adam, drive_adam8bit, drive_sgd, drive_lion, drive_scaler,
+                      drive_64bit_sizes):
             try:
                 drive()
             except Exception as e:  # report, and let the other drivers run

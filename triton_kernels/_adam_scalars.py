@@ -1,13 +1,14 @@
-"""Per-tensor scalars and the master-mode weight load/store of an Adam(W) step, shared by the
-Triton Adam kernels
+"""Per-tensor scalars of an Adam(W) step, shared by the Triton Adam kernels
 (csrc/include/mpfused/adam_math.h::adam_scalars): every constant torch derives in double (1 - beta1,
 1 - beta2, lr * weight_decay, the bias-corrected step size, 1 / sqrt(1 - beta2^t)) derived in fp64
 and rounded to fp32 once; beta2 and eps as fp32; the gradient multiplier (unscale, clip,
-maximize); the step number t. Read on the device: nothing here syncs with the host."""
+maximize) and the step number t from _step_scalars. Read on the device: nothing here syncs with
+the host."""
 import triton
 import triton.language as tl
 
-from mpfused.triton_kernels._bits import f64_from_bits, load_f32, store_f32
+from mpfused.triton_kernels._bits import f64_from_bits
+from mpfused.triton_kernels._step_scalars import grad_multiplier, read_lr, step_number
 
 
 @triton.jit
@@ -17,10 +18,7 @@ def adam_scalars(step_ptr, lr_ptr, scale_ptr, norm_ptr, lr_bits, beta1_bits, bet
     # Float arguments are fp32 when compiled but Python floats (doubles) under the interpreter:
     # fp64 values travel as bit patterns (_bits.f64_bits), eps is rounded to fp32 explicitly, so
     # both see the CPU kernel's values.
-    if HAS_LR:
-        lr64 = tl.load(lr_ptr).to(tl.float32).to(tl.float64)  # a tensor lr: its fp32 value
-    else:
-        lr64 = f64_from_bits(lr_bits)
+    lr64 = read_lr(lr_ptr, lr_bits, HAS_LR)
     x1 = f64_from_bits(beta1_bits)  # the fp64 betas, exactly
     x2 = f64_from_bits(beta2_bits)
     wd64 = f64_from_bits(wd_bits)
@@ -30,7 +28,7 @@ def adam_scalars(step_ptr, lr_ptr, scale_ptr, norm_ptr, lr_bits, beta1_bits, bet
     eps32 = tl.full((), eps, tl.float32)
     # t = step + 1; beta^t in fp64 by binary exponentiation (libdevice pow does not exist in the
     # interpreter): a few fp64 ulps from C's pow, far below the fp32 rounding that follows.
-    ti = (tl.load(step_ptr).to(tl.float64) + 1.0).to(tl.int64)
+    ti = step_number(step_ptr).to(tl.int64)
     e = ti
     pw1 = tl.full((), 1.0, tl.float64)
     pw2 = tl.full((), 1.0, tl.float64)
@@ -43,19 +41,7 @@ def adam_scalars(step_ptr, lr_ptr, scale_ptr, norm_ptr, lr_bits, beta1_bits, bet
         e = e >> 1
     step_size = (lr64 / (1.0 - pw1)).to(tl.float32)
     inv_bc2_sqrt = (1.0 / tl.sqrt(1.0 - pw2)).to(tl.float32)
-    gm = tl.full((), 1.0, tl.float32)
-    if HAS_SCALE:
-        gm = tl.div_rn(gm, tl.load(scale_ptr).to(tl.float32))
-    if HAS_NORM:
-        # fp64 as the CPU kernel: max_grad_norm / (sqrt(norm_sq) + 1e-6), std::min(1.0, q),
-        # rounded to fp32.
-        mgn = f64_from_bits(mgn_bits)
-        norm = tl.sqrt(tl.load(norm_ptr).to(tl.float32).to(tl.float64))
-        q = mgn / (norm + 1e-6)
-        clip = tl.where(q < 1.0, q, 1.0)  # std::min(1.0, q): NaN gives 1
-        gm = gm * clip.to(tl.float32)
-    if MAXIMIZE:
-        gm = -gm
+    gm = grad_multiplier(scale_ptr, norm_ptr, mgn_bits, HAS_SCALE, HAS_NORM, MAXIMIZE)
     if DECOUPLED:
         decay = (lr64 * wd64).to(tl.float32)
         l2 = tl.full((), 0.0, tl.float32)
@@ -63,54 +49,3 @@ def adam_scalars(step_ptr, lr_ptr, scale_ptr, norm_ptr, lr_bits, beta1_bits, bet
         decay = tl.full((), 0.0, tl.float32)
         l2 = wd64.to(tl.float32)
     return ti, b2, eps32, one_m_b1, one_m_b2, step_size, inv_bc2_sqrt, gm, decay, l2
-
-
-@triton.jit
-def load_weight(p_ptr, master_ptr, offs, mask, DT: tl.constexpr, MODE: tl.constexpr):
-    """adam_math.h::load_weight: the fp32 value of the param per master mode."""
-    if MODE == 1:
-        w = tl.load(master_ptr + offs, mask=mask, other=0.0)
-    elif MODE == 2:
-        # remainder_join: hi16 = p_bits - (rem < 0), lo16 = rem
-        pb = tl.load(p_ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
-        rem = tl.load(master_ptr + offs, mask=mask, other=0).to(tl.int32)
-        hi = tl.where(rem < 0, (pb - 1) & 0xFFFF, pb)
-        w = ((hi << 16) | (rem & 0xFFFF)).to(tl.float32, bitcast=True)
-    else:
-        w = load_f32(p_ptr, offs, mask, DT)
-    return w
-
-
-@triton.jit
-def store_weight(w, p_ptr, master_ptr, offs, mask, seed, ti, stream, DT: tl.constexpr,
-                 MODE: tl.constexpr):
-    """adam_math.h::store_weight: the param (and its master) from the updated fp32 value; `offs`
-    is the logical element index, `stream` the tensor's sr_stream (an int64 bit pattern)."""
-    if MODE == 1:
-        tl.store(master_ptr + offs, w, mask=mask)
-        store_f32(p_ptr, offs, w, mask, DT)
-    elif MODE == 2:
-        # remainder_split: lo16 -> remainder, hi16 rounded to nearest (ties away from zero);
-        # NaN -> the canonical 0x7FC00000 (GPU arithmetic makes 0x7FFFFFFF, which would round
-        # to a -0.0 param)
-        u = w.to(tl.uint32, bitcast=True)
-        u = tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, u)
-        lo = u & 0xFFFF
-        phi = ((u >> 16) + (lo >> 15)) & 0xFFFF
-        tl.store(p_ptr + offs, phi.to(tl.int32).to(tl.int16), mask=mask)
-        tl.store(master_ptr + offs, lo.to(tl.int32).to(tl.int16), mask=mask)
-    elif MODE == 3:
-        # bf16_bits_stochastic(w, random16(step_seed(seed, t), stream, index))
-        sseed = seed.to(tl.uint64) ^ (ti.to(tl.uint64) * 0xD1B54A32D192ED03)
-        # random16(sseed, stream, index): splitmix64 finalizer, uint64 wrap-around
-        z = sseed + stream.to(tl.uint64) + offs.to(tl.uint64) * 0xBF58476D1CE4E5B9
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EB
-        z = z ^ (z >> 31)
-        r16 = (z >> 48).to(tl.uint32)
-        u = w.to(tl.uint32, bitcast=True)
-        bits = (u + r16) >> 16
-        bits = tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC0, bits)
-        tl.store(p_ptr + offs, bits.to(tl.int32).to(tl.int16), mask=mask)
-    else:
-        store_f32(p_ptr, offs, w, mask, DT)

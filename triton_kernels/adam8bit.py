@@ -16,12 +16,13 @@ import triton
 import triton.language as tl
 
 from mpfused.quant_maps import thresholds, zero_code
-from mpfused.triton_kernels._adam_scalars import adam_scalars, load_weight, store_weight
+from mpfused.triton_kernels._adam_scalars import adam_scalars
+from mpfused.triton_kernels._master import load_weight, store_weight
 from mpfused.reference.adam import sr_streams
 from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, i64_bits, load_f32,
                                           num_warps_for)
 from mpfused.triton_kernels._device import on_tensors_device
-from mpfused.triton_kernels.adam import _kernel_mode
+from mpfused.triton_kernels._elementwise import advance_steps, kernel_mode
 
 MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC = 0, 1, 2, 3
 _M64 = (1 << 64) - 1
@@ -128,7 +129,7 @@ def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, mas
     for i, p in enumerate(params):
         if p.numel() == 0:
             continue
-        mode = _kernel_mode(p.dtype, int(master_mode))
+        mode = kernel_mode(p.dtype, int(master_mode))
         w = masters[i] if mode in (MASTER_FP32, MASTER_REMAINDER) else None
         # block layout = logical order: every operand contiguous (8-bit state always is)
         ops = [t if t is None or t.is_contiguous() else t.contiguous() for t in (p, grads[i], w)]
@@ -152,9 +153,4 @@ def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, mas
             p.copy_(pk)  # a skipped step wrote nothing: the copy-back restores the same
         if wk is not w:
             w.copy_(wk)
-    # Step counters advance only on a taken step, decided on device (no host sync).
-    if found_inf is None:
-        torch._foreach_add_(list(steps), 1)
-    else:
-        taken = (found_inf.reshape(()) <= 0).to(steps[0].dtype)
-        torch._foreach_add_(list(steps), taken)
+    advance_steps(steps, found_inf)  # on device, by a taken step only
