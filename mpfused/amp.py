@@ -13,13 +13,15 @@ call, pick the autocast device/dtype, and estimate training-state memory per rec
 """
 from __future__ import annotations
 
-import fnmatch
 import functools
-import re
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+# estimate_memory lives in mpfused/memory_estimate.py; mpfused.amp keeps the names
+from mpfused.memory_estimate import RECIPES, MemoryEstimate, estimate_memory  # noqa: F401
+from mpfused.fp32_islands import _HALF, DEFAULT_KEEP_FP32, _fp32_islands, is_norm_layer  # noqa: F401
 
 __all__ = ["cast_model", "setup", "autocast", "estimate_memory", "MemoryEstimate", "RECIPES",
            "is_norm_layer", "resolve_dtype", "bf16_supported"]
@@ -28,7 +30,6 @@ __all__ = ["cast_model", "setup", "autocast", "estimate_memory", "MemoryEstimate
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
            "float16": torch.float16, "half": torch.float16, "fp32": torch.float32,
            "float32": torch.float32, "float": torch.float32}
-_HALF = (torch.float16, torch.bfloat16)
 
 
 def bf16_supported(device) -> bool:
@@ -76,59 +77,7 @@ def _module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-# ---- cast_model: 16-bit model with fp32 islands ----------------------------------------------
-_TORCH_NORMS = tuple(t for t in (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase,
-                                 getattr(nn, "RMSNorm", None)) if t is not None)
-_NORM_NAME = re.compile(r"(RMS|Layer|Group|Batch|Instance)Norm")
-
-
-def is_norm_layer(name: str, module: nn.Module) -> bool:
-    """The default fp32 islands: torch's LayerNorm, GroupNorm, BatchNorm*/SyncBatchNorm,
-    InstanceNorm*, RMSNorm, and third-party norms by class name (``LlamaRMSNorm``,
-    ``T5LayerNorm``, apex ``FusedLayerNorm`` ...)."""
-    return isinstance(module, _TORCH_NORMS) or bool(_NORM_NAME.search(type(module).__name__))
-
-
-DEFAULT_KEEP_FP32 = (is_norm_layer,)
-
-
-def _matcher(keep_fp32):
-    items = DEFAULT_KEEP_FP32 if keep_fp32 is None else (
-        (keep_fp32,) if isinstance(keep_fp32, (str, type)) or callable(keep_fp32)
-        else tuple(keep_fp32))
-    for item in items:
-        if not (isinstance(item, (str, type)) or callable(item)):
-            raise TypeError("keep_fp32 items must be module types, module-name patterns (str) or "
-                            f"callables (name, module) -> bool, got {item!r}")
-
-    def keep(name: str, module: nn.Module) -> bool:
-        for item in items:
-            if isinstance(item, type):
-                if isinstance(module, item):
-                    return True
-            elif isinstance(item, str):
-                if name == item or fnmatch.fnmatchcase(name, item):
-                    return True
-            elif item(name, module):
-                return True
-        return False
-    return keep
-
-
-def _fp32_islands(model: nn.Module, keep_fp32) -> list[tuple[str, nn.Module]]:
-    """The outermost modules to keep in fp32 (a kept module's submodules are inside its island)."""
-    keep = _matcher(keep_fp32)
-    islands: list[tuple[str, nn.Module]] = []
-    inside: set[int] = set()
-    for name, module in model.named_modules():
-        if id(module) in inside:
-            continue
-        if keep(name, module):
-            islands.append((name, module))
-            inside.update(id(m) for m in module.modules())
-    return islands
-
-
+# ---- cast_model: 16-bit model with fp32 islands (mpfused/fp32_islands.py) ---------------------
 def _map_tensors(obj, fn):
     """obj with fn applied to every tensor in tuples/lists/dicts (containers rebuilt only when
     something changed; dict subclasses such as Hugging Face ``ModelOutput`` are updated in
@@ -336,6 +285,3 @@ def setup(model: nn.Module, optimizer="adamw", dtype="auto", lr=1e-3, weight_dec
     scaler = GradScaler(device.type, enabled=dtype == torch.float16, **(scaler_kwargs or {}))
     return model, opt, scaler
 
-
-# estimate_memory lives in mpfused/memory_estimate.py; mpfused.amp keeps the names
-from mpfused.memory_estimate import RECIPES, MemoryEstimate, estimate_memory  # noqa: E402,F401

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
-from mpfused.amp import _HALF, _fp32_islands
+from mpfused.fp32_islands import _HALF, _fp32_islands
 
 # ---- estimate_memory -------------------------------------------------------------------------
 # recipe -> (description, 16-bit weights?, master bytes per 16-bit param, 8-bit state?)
