@@ -10,7 +10,8 @@ memory per block. Three programs:
   shuffle "separates") and a read of shared memory nothing wrote;
 * amp_adam_vs_cpu: cuda::amp_check / update_scale / adam_step / increment_steps against the CPU
   kernels, byte for byte (sums of squares against an exact double sum);
-* adam8bit_vs_cpu: cuda::adam8bit_step against cpu::adam8bit_step, byte for byte.
+* adam8bit_vs_cpu: cuda::adam8bit_step (its prepare and main launches) against
+  cpu::adam8bit_step, byte for byte, and what the step leaves in its workspace.
 
 Each is built twice, as the two compute-sanitizer tools a GPU run would use:
 * memcheck: AddressSanitizer + UndefinedBehaviorSanitizer; the guard bytes around every buffer are

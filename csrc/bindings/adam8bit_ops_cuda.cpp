@@ -1,8 +1,11 @@
 // CUDA registration of the multi-tensor Adam/AdamW step with block-wise 8-bit moments. Same checks
 // as the CPU binding (common.h), except the map values: the step counters, lr (optionally),
-// grad_scale, found_inf, norm_sq and both quantization maps are read by the kernel on the device
-// (which checks the maps itself, see cuda/adam8bit_cuda.h), and the counters are incremented by a
-// second launch unless found_inf > 0: no host sync on any path (capturable).
+// grad_scale, found_inf, norm_sq and both quantization maps are read by the kernels on the device
+// (which check the maps themselves, see cuda/adam8bit_cuda.h), and the counters are incremented by
+// a last launch unless found_inf > 0: no host sync on any path (capturable). The kernels' per-step
+// workspace is a byte tensor from torch's caching allocator on the current stream (a CUDA graph
+// capture's private pool while capturing), freed when the call returns: stream order keeps it
+// alive for the launches.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -74,7 +77,10 @@ void adam8bit_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
     cfg.block_size = block_size;
     cfg.map1 = qmap1.data_ptr<float>();
     cfg.map2 = qmap2.data_ptr<float>();
-    C10_CUDA_CHECK(cuda::adam8bit_step(lists, cfg, stream));
+    const at::Tensor workspace =
+        at::empty({int64_t(cuda::adam8bit_workspace_bytes(lists.size))},
+                  at::TensorOptions().dtype(at::kByte).device(dev));
+    C10_CUDA_CHECK(cuda::adam8bit_step(lists, cfg, workspace.data_ptr(), stream));
     packed.finish();  // staged copies hold the original values on a skipped step: no-op writes
   }
   advance_steps_cuda(steps, found_inf, stream);

@@ -9,14 +9,16 @@
 // quantization blocks (the tensor's last one may be short) and no quantization block is shared
 // by two CUDA blocks: the new absmax of a quantization block is a block-local reduction, with no
 // atomics and no second pass. bitsandbytes runs one 256-thread block per 256-element
-// quantization block; here one block runs 4096 / block_size of them, which keeps the per-block
-// setup (maps, thresholds, scalars) amortized and serves every block size with one kernel.
+// quantization block; here one block runs 4096 / block_size of them and serves every block size
+// with one kernel.
 //
+// Per call: a prepare launch (adam8bit_prepare.cuh) computes what does not change within the
+// step into the caller's workspace: the 2 x 255 decision thresholds in Eytzinger order, the map
+// checks and the +0 code of map 1, and each tensor's AdamScalars (fp64 pow) and seed.
 // Per block:
-//   setup     thread 0: this tensor's AdamScalars from the device step counter / lr / grad_scale /
-//             norm_sq; all threads: both maps to shared memory, then the 2 x 255 decision
-//             thresholds (quant8_threshold) in Eytzinger order, the map checks and the +0 code
-//             of map 1.
+//   setup     all threads copy both maps and both threshold arrays to shared memory (one float
+//             each per array, coalesced); thread 0 copies the tensor's scalars and the +0 code.
+//             One barrier, no arithmetic.
 //   update    two passes; in pass k thread t owns elements 2048 k + 4t .. +3 (coalesced 16/8/4-
 //             byte accesses when aligned, element-wise otherwise and at the tail; 4 consecutive
 //             elements are always in one quantization block): it dequantizes with the OLD
@@ -33,7 +35,7 @@
 //             (quant8_inv_scale, quant8_encode_eytzinger over the shared thresholds: the CPU's
 //             codes, with ~3x fewer shared-memory bank conflicts than the sorted layout,
 //             keep_negative).
-// Two barriers in setup, one or two in the reduction. found_inf > 0: every block leaves first.
+// One barrier in setup, one or two in the reduction. found_inf > 0: every block leaves first.
 // Shared memory 37.7 KB (32 KB of parked moments); at most 64 registers (Adam8bitFunctor asks
 // for two blocks per SM), so one block's setup and reduction overlap the other's memory traffic.
 //
@@ -44,6 +46,7 @@
 
 #include <stddef.h>
 
+#include "adam8bit_prepare.cuh"
 #include "mpfused/quant8_math.h"
 #include "multi_tensor_apply.cuh"
 
@@ -129,28 +132,11 @@ __device__ __forceinline__ void store_n(T* p, int e, int cnt, bool vec,
   }
 }
 
-// Thread 0: this tensor's scalars, exactly as the CPU binding forms them (grad_mult: float
-// reciprocal, clip coefficient in double then float) and AdamFunctor in adam_cuda.cu.
-__device__ __forceinline__ void tensor_scalars(const MtaChunk<kAdam8bitDepth>& c,
-                                               const Adam8bitConfig& cfg, Shared& sh) {
-  float grad_mult = cfg.grad_scale != nullptr ? 1.f / *cfg.grad_scale : 1.f;
-  if (cfg.norm_sq != nullptr && cfg.max_grad_norm > 0) {
-    const double norm = sqrt(double(*cfg.norm_sq));
-    const double coef = cfg.max_grad_norm / (norm + 1e-6);
-    grad_mult *= float(coef < 1.0 ? coef : 1.0);  // std::min(1.0, coef): NaN gives 1
-  }
-  const double t = double(*static_cast<const float*>(c.ptr[kQ8Step])) + 1.0;
-  const double lr = cfg.lr_ptr != nullptr ? double(*cfg.lr_ptr) : cfg.lr;
-  sh.scalars = adam_scalars(lr, cfg.beta1, cfg.beta2, cfg.eps, cfg.weight_decay, cfg.decoupled,
-                            cfg.maximize, grad_mult, t);
-  sh.seed = step_seed(cfg.seed, t);
-}
-
 // One chunk (whole quantization blocks) of one tensor, run by all kBlockSize threads of a block.
 // T / MODE: the effective storage type and master mode (cpu::pick_kernel's choice).
 template <typename T, int MODE>
 __device__ __forceinline__ void run_chunk(Shared& sh, const MtaChunk<kAdam8bitDepth>& c,
-                                          const Adam8bitConfig& cfg) {
+                                          const Adam8bitConfig& cfg, const Workspace& ws) {
   const int tid = int(threadIdx.x);
   const int lane = tid % kWarp, warp = tid / kWarp;
   // Chunk-local indices fit in int (n <= kChunk); the block size is a power of two.
@@ -162,34 +148,26 @@ __device__ __forceinline__ void run_chunk(Shared& sh, const MtaChunk<kAdam8bitDe
   float* absmax1 = static_cast<float*>(c.ptr[kQ8Absmax1]) + (c.begin >> lb);
   float* absmax2 = static_cast<float*>(c.ptr[kQ8Absmax2]) + (c.begin >> lb);
 
-  // ---- setup: scalars, maps, thresholds, +0 code, map checks --------------------------------
-  if (tid == 0) {
-    tensor_scalars(c, cfg, sh);
-    sh.zero_code = -1;
-  }
+  // ---- setup: copy what the prepare launch computed for this step ----------------------------
   {
     const int i = tid % kQuantCodes;
-    if (tid < kQuantCodes) sh.map1[i] = cfg.map1[i];
-    else sh.map2[i] = cfg.map2[i];
+    if (tid < kQuantCodes) {
+      sh.map1[i] = cfg.map1[i];
+      sh.eyt1[i] = ws.maps->eyt1[i];
+    } else {
+      sh.map2[i] = cfg.map2[i];
+      sh.eyt2[i] = ws.maps->eyt2[i];
+    }
+  }
+  if (tid == 0) {
+    const PreparedTensor& pt = ws.tensors[c.tensor];
+    sh.scalars = pt.s;
+    sh.seed = pt.seed;
+    sh.zero_code = ws.maps->zero_code;
   }
   __syncthreads();
-  bool ok = true;
-  {
-    const int i = tid % kQuantCodes;
-    const float* map = tid < kQuantCodes ? sh.map1 : sh.map2;
-    float* eyt = tid < kQuantCodes ? sh.eyt1 : sh.eyt2;
-    if (i + 1 < kQuantCodes) {
-      eyt[quant8_eytzinger_node(i)] = quant8_threshold(map[i], map[i + 1]);
-      ok = map[i] < map[i + 1];  // false for NaN too
-    } else {
-      eyt[0] = INFINITY;  // never read
-    }
-    // +0 of map 1: unique when the map is sorted (else the block bails out below).
-    if (tid < kQuantCodes && map[i] == 0.f && (f32_bits(map[i]) >> 31) == 0u) sh.zero_code = i;
-  }
-  const bool maps_ok = __syncthreads_and(int(ok)) != 0;
   const int32_t zc = sh.zero_code;
-  if (!maps_ok || zc <= 0) {  // uniform: poison this chunk's absmax, write nothing else
+  if (zc <= 0) {  // a map is unusable (uniform): poison this chunk's absmax, write nothing else
     if (tid < nq) {
       absmax1[tid] = NAN;
       absmax2[tid] = NAN;
@@ -340,18 +318,18 @@ __device__ __forceinline__ void run_chunk(Shared& sh, const MtaChunk<kAdam8bitDe
 // requested master mode.
 template <int MODE>
 __device__ __forceinline__ void run_block(Shared& sh, const MtaChunk<kAdam8bitDepth>& c,
-                                          const Adam8bitConfig& cfg) {
+                                          const Adam8bitConfig& cfg, const Workspace& ws) {
   // Skipped step: every block leaves before touching anything (uniform branch).
   if (cfg.found_inf != nullptr && *cfg.found_inf > 0.f) return;
   switch (c.dtype) {
     case kFloat32:  // fp32 params are their own master
-      run_chunk<float, kNoMaster>(sh, c, cfg);
+      run_chunk<float, kNoMaster>(sh, c, cfg, ws);
       break;
     case kFloat16:
-      run_chunk<f16_t, MODE == kFp32Master ? kFp32Master : kNoMaster>(sh, c, cfg);
+      run_chunk<f16_t, MODE == kFp32Master ? kFp32Master : kNoMaster>(sh, c, cfg, ws);
       break;
     default:
-      run_chunk<bf16_t, MODE>(sh, c, cfg);
+      run_chunk<bf16_t, MODE>(sh, c, cfg, ws);
       break;
   }
 }
@@ -363,36 +341,44 @@ namespace {
 template <int MODE>
 struct Adam8bitFunctor {
   // Two blocks per SM (64 registers): one block's setup and barrier-bound reduction overlap the
-  // other's memory traffic. Left to itself ptxas gives the fp32-master mode 70-72 registers, one
-  // block per SM; the cap costs it 16 B of spill stores. Not yet measured on a GPU.
+  // other's memory traffic. Left to itself ptxas (13.0, sm_90) takes 82-92 registers, one block
+  // per SM; the cap costs the fp32-master mode 8 B of spill stores. Not yet measured on a GPU.
   static constexpr int kMinBlocksPerSm = 2;
   Adam8bitConfig cfg;
+  void* workspace;  // written by q8::prepare earlier on the stream
 
   __device__ __forceinline__ void operator()(const MtaChunk<kAdam8bitDepth>& c) const {
     __shared__ q8::Shared sh;
-    q8::run_block<MODE>(sh, c, cfg);
+    q8::run_block<MODE>(sh, c, cfg, q8::Workspace(workspace));
   }
 };
 
 template <int MODE>
 cudaError_t launch(const TensorLists<kAdam8bitDepth>& t, const Adam8bitConfig& cfg,
-                   cudaStream_t stream) {
-  return multi_tensor_apply<kAdam8bitDepth>(t, q8::kChunk, stream, Adam8bitFunctor<MODE>{cfg});
+                   void* workspace, cudaStream_t stream) {
+  const cudaError_t err = q8::prepare(t, cfg, workspace, stream);
+  if (err != cudaSuccess) return err;
+  return multi_tensor_apply<kAdam8bitDepth>(t, q8::kChunk, stream,
+                                            Adam8bitFunctor<MODE>{cfg, workspace});
 }
 
 }  // namespace
 
 cudaError_t adam8bit_step(const TensorLists<kAdam8bitDepth>& t, const Adam8bitConfig& cfg,
-                          cudaStream_t stream) {
+                          void* workspace, cudaStream_t stream) {
   const int64_t b = cfg.block_size;
   if (b < q8::kMinBlock || b > q8::kMaxBlock || (b & (b - 1)) != 0) return cudaErrorInvalidValue;
+  if (workspace == nullptr || (reinterpret_cast<uintptr_t>(workspace) & 15) != 0)
+    return cudaErrorInvalidValue;
   if (t.size == 0) return cudaSuccess;
   switch (cfg.master_mode) {
-    case kFp32Master: return launch<kFp32Master>(t, cfg, stream);
-    case kRemainder: return launch<kRemainder>(t, cfg, stream);
-    case kStochastic: return launch<kStochastic>(t, cfg, stream);
-    default: return launch<kNoMaster>(t, cfg, stream);
+    case kFp32Master: return launch<kFp32Master>(t, cfg, workspace, stream);
+    case kRemainder: return launch<kRemainder>(t, cfg, workspace, stream);
+    case kStochastic: return launch<kStochastic>(t, cfg, workspace, stream);
+    default: return launch<kNoMaster>(t, cfg, workspace, stream);
   }
 }
+
+size_t adam8bit_workspace_bytes(int64_t ntensors) { return q8::workspace_bytes(ntensors); }
 
 }  // namespace mpfused::cuda

@@ -4,6 +4,7 @@
 // found_inf, norm_sq and the two quantization maps. No host sync anywhere.
 #pragma once
 #include <cuda_runtime.h>
+#include <stddef.h>
 
 #include "mpfused/adam_math.h"
 #include "mpfused/tensor_list.h"
@@ -49,13 +50,23 @@ struct Adam8bitConfig {
 // cuda::increment_steps (adam_cuda.h), which skips on found_inf > 0 as this kernel does.
 //
 // The maps are read on the device, so they cannot be validated by the caller without a sync.
-// Each block checks them (sorted, +0 above the first entry) and, when they are not, writes NaN
-// into the absmax of its quantization blocks and nothing else: a bad map surfaces as NaN moments
-// at the next step instead of silently corrupting them. Memory safety never depends on the maps.
+// They are checked on the device (sorted, +0 above the first entry); when they are not, every
+// block writes NaN into the absmax of its quantization blocks and nothing else: a bad map
+// surfaces as NaN moments at the next step instead of silently corrupting them. Memory safety
+// never depends on the maps.
 //
-// Returns cudaErrorInvalidValue for a block_size outside [64, 4096] or not a power of two, else
-// the first launch error.
+// workspace: device memory of adam8bit_workspace_bytes(t.size) bytes, 16-byte aligned, that
+// nothing else uses until this call's launches are done (stream-ordered: the binding allocates it
+// through torch's caching allocator, which also serves CUDA-graph capture). A first launch writes
+// this step's thresholds and per-tensor scalars into it (adam8bit_prepare.cuh); the main kernel's
+// blocks read them. Its content before and after the call means nothing.
+//
+// Returns cudaErrorInvalidValue for a block_size outside [64, 4096] or not a power of two, or a
+// null or misaligned workspace (nothing runs), else the first launch error.
 cudaError_t adam8bit_step(const TensorLists<kAdam8bitDepth>& t, const Adam8bitConfig& cfg,
-                          cudaStream_t stream);
+                          void* workspace, cudaStream_t stream);
+
+// Bytes of the workspace adam8bit_step needs for a list of `ntensors` tensors (2 KB + 48 each).
+size_t adam8bit_workspace_bytes(int64_t ntensors);
 
 }  // namespace mpfused::cuda

@@ -4,6 +4,9 @@
 // a shuffled order) and compared byte for byte, guard bytes included, with the CPU kernel
 // cpu::adam8bit_step: every master mode and dtype, block sizes 64..4096, tails, misaligned
 // (scalar-path) tensors, launches that end mid-tensor, found_inf skips, bad maps, bad block sizes.
+// The per-step workspace starts as 0xFF bytes (NaN scalars and thresholds), so a block that read
+// an entry the prepare launch did not write would change the bytes; on a skipped step it must
+// still be 0xFF (the prepare writes nothing either).
 //
 // usage: adam8bit_vs_cpu maps.bin [seed]   (maps.bin: 512 float32, the signed map then the unsigned map)
 #include <cuda_runtime.h>
@@ -189,12 +192,29 @@ void run_case(const Case& k, const Maps& maps, uint64_t seed) {
     cfg.block_size = B;
     cfg.map1 = mp.m1;
     cfg.map2 = mp.m2;
+    Buf ws;
+    ws.init(adam8bit_workspace_bytes(L.size), 0);
+    std::memset(ws.ptr(), 0xFF, ws.bytes);
     // Launches of at most k.max_blocks blocks: with small limits they end mid-tensor.
     mpf_emulation::max_blocks_per_launch = k.max_blocks;
-    const cudaError_t err = adam8bit_step(L, cfg, nullptr);
+    const cudaError_t err = adam8bit_step(L, cfg, ws.ptr(), nullptr);
     mpf_emulation::max_blocks_per_launch = kMaxBlocksPerLaunch;
     EXPECT(err == cudaSuccess, "%s: adam8bit_step returned %d", k.name, int(err));
     EXPECT(cudaGetLastError() == cudaSuccess, "%s: error left behind", k.name);
+    if (skip) {
+      Buf untouched = ws;
+      std::memset(untouched.ptr(), 0xFF, untouched.bytes);
+      expect_same_bytes(ws, untouched, k.name, "workspace", 0);
+    } else if (!bad) {  // every word written, padding included (initcheck on a GPU); a bad map
+                        // leaves zero_code -1, all ones
+      size_t unwritten = 0;
+      for (size_t j = 0; j + 4 <= ws.bytes; j += 4) {
+        uint32_t w;
+        std::memcpy(&w, static_cast<char*>(ws.ptr()) + j, 4);
+        unwritten += w == 0xFFFFFFFFu;
+      }
+      EXPECT(unwritten == 0, "%s: %zu workspace words never written", k.name, unwritten);
+    }
   }
 
   // Byte for byte, guards included (a NaN absmax compares as bits).
@@ -206,8 +226,9 @@ void run_case(const Case& k, const Maps& maps, uint64_t seed) {
   }
 }
 
-// A block size the kernel does not serve is refused before anything runs.
-size_t run_bad_block_sizes(const Maps& maps) {
+// A block size the kernel does not serve, or a null or misaligned workspace, is refused before
+// anything runs.
+size_t run_bad_arguments(const Maps& maps) {
   float p = 1.f, g = 1.f, a1 = 0.f, a2 = 0.f, step = 0.f;
   uint8_t c1 = 127, c2 = 0;
   void* ops[8] = {&p, &g, &c1, &c2, nullptr, &a1, &a2, &step};
@@ -220,8 +241,14 @@ size_t run_bad_block_sizes(const Maps& maps) {
   L.numel = &numel;
   L.dtype = &dtype;
   L.size = 1;
+  Buf ws;
+  ws.init(adam8bit_workspace_bytes(1) + 16, 0);
+  char* const base = static_cast<char*>(ws.ptr());
   size_t cases = 0;
-  for (int64_t b : {0, 32, 100, 8192, -256}) {
+  // (block size, workspace): bad sizes with a good workspace, then a good size with bad ones.
+  const std::pair<int64_t, void*> bad[] = {{0, base}, {32, base}, {100, base}, {8192, base},
+                                           {-256, base}, {256, nullptr}, {256, base + 8}};
+  for (const auto& [b, w] : bad) {
     Adam8bitConfig cfg{};
     cfg.lr = 1e-3;
     cfg.beta1 = 0.9;
@@ -230,9 +257,10 @@ size_t run_bad_block_sizes(const Maps& maps) {
     cfg.map1 = maps.m1;
     cfg.map2 = maps.m2;
     const int64_t launches = mpf_emulation::launch_state.launches;
-    EXPECT(adam8bit_step(L, cfg, nullptr) == cudaErrorInvalidValue, "block size %lld accepted", (long long)b);
+    EXPECT(adam8bit_step(L, cfg, w, nullptr) == cudaErrorInvalidValue,
+           "block size %lld, workspace %p accepted", (long long)b, w);
     EXPECT(mpf_emulation::launch_state.launches == launches && p == 1.f && c1 == 127,
-           "block size %lld: something ran", (long long)b);
+           "block size %lld, workspace %p: something ran", (long long)b, w);
     ++cases;
   }
   return cases;
@@ -266,6 +294,8 @@ int main(int argc, char** argv) {
       cases.push_back(c);
     }
   {
+    // Two blocks per launch: the main launches end mid-tensor, the prepare launches after two
+    // tensors (the second one without the maps).
     Case c{"512 / 2048 blocks, launch split", {5000, 12288, 3, 9000}, kFp32Master, 512};
     c.max_blocks = 2;
     cases.push_back(c);
@@ -277,8 +307,9 @@ int main(int argc, char** argv) {
     std::vector<int64_t> many;
     for (int i = 0; i < 120; ++i) many.push_back((i * 37) % 300);
     cases.push_back(Case{"120 small tensors (several launches)", many, kStochastic, 256});
-    for (int i = 120; i < 450; ++i) many.push_back((i * 37) % 300);  // > 381: 2 launches at 32 KB
-    cases.push_back(Case{"450 small tensors (several launches)", many, kNoMaster, 128});
+    // 450 non-empty: > 381, two main launches at 32 KB; > 448, the 32 KB prepare table.
+    for (int i = 120; i < 452; ++i) many.push_back((i * 37) % 300);
+    cases.push_back(Case{"452 small tensors (several launches)", many, kNoMaster, 128});
   }
   {
     Case c{"first step (absmax 0)", sizes, kFp32Master, 256};
@@ -310,7 +341,7 @@ int main(int argc, char** argv) {
     mpf_emulation::large_kernel_params = i % 2 == 1;
     run_case(cases[i], maps, seed++);
   }
-  const size_t bad_sizes = run_bad_block_sizes(maps);
+  const size_t bad_sizes = run_bad_arguments(maps);
   std::printf("emulated launches %lld, blocks %lld\n", (long long)mpf_emulation::launch_state.launches,
               (long long)mpf_emulation::launch_state.blocks);
   return emu_test::report(cases.size() + bad_sizes);
