@@ -3,6 +3,7 @@
 
 #include "../cpu/adam8bit_cpu.h"
 #include "common.h"
+#include "cpu_steps.h"
 #include "op_signatures.h"
 
 namespace mpfused::bind {

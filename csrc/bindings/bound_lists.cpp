@@ -2,8 +2,9 @@
 // than its grads, converted from Python once, on the bucket's first step. A step then converts only
 // its grads: with 10,000 small tensors, turning the op's Python tensor lists into C++ ones costs
 // ~145 ns per tensor, 70% of a plain op call. The methods call the declared ops (adam_step_,
-// adam8bit_step_) unboxed through the dispatcher, so the kernel serving them is whichever native
-// kernel serves the op on the lists' device; nothing here is device specific.
+// adam8bit_step_, sgd_step_, lion_step_) unboxed through the dispatcher, so the kernel serving
+// them is whichever native kernel serves the op on the lists' device; nothing here is device
+// specific.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -75,6 +76,34 @@ struct BoundLists : torch::CustomClassHolder {
             master_mode, grad_scale, found_inf, norm_sq, max_grad_norm, seed, param_ids,
             elem_offsets);
   }
+
+  void sgd_step_(at::TensorList grads, double lr, const std::optional<at::Tensor>& lr_tensor,
+                 double momentum, double dampening, double weight_decay, bool nesterov,
+                 bool maximize, int64_t master_mode, const std::optional<at::Tensor>& grad_scale,
+                 const std::optional<at::Tensor>& found_inf,
+                 const std::optional<at::Tensor>& norm_sq, double max_grad_norm, int64_t seed) {
+    expect_lists(4, "sgd_step_", "params, momentum_buffers, masters, steps");
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("mpfused::sgd_step_", "")
+                               .typed<SgdStepFn>();
+    op.call(list(0), grads, list(1), list(2), list(3), lr, lr_tensor, momentum, dampening,
+            weight_decay, nesterov, maximize, master_mode, grad_scale, found_inf, norm_sq,
+            max_grad_norm, seed, param_ids, elem_offsets);
+  }
+
+  void lion_step_(at::TensorList grads, double lr, const std::optional<at::Tensor>& lr_tensor,
+                  double beta1, double beta2, double weight_decay, bool maximize,
+                  int64_t master_mode, const std::optional<at::Tensor>& grad_scale,
+                  const std::optional<at::Tensor>& found_inf,
+                  const std::optional<at::Tensor>& norm_sq, double max_grad_norm, int64_t seed) {
+    expect_lists(4, "lion_step_", "params, exp_avgs, masters, steps");
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("mpfused::lion_step_", "")
+                               .typed<LionStepFn>();
+    op.call(list(0), grads, list(1), list(2), list(3), lr, lr_tensor, beta1, beta2,
+            weight_decay, maximize, master_mode, grad_scale, found_inf, norm_sq, max_grad_norm,
+            seed, param_ids, elem_offsets);
+  }
 };
 
 }  // namespace
@@ -84,7 +113,9 @@ TORCH_LIBRARY_FRAGMENT(mpfused, m) {
   m.class_<BoundLists>("BoundLists")
       .def(torch::init<at::TensorList, at::IntArrayRef, at::IntArrayRef, at::IntArrayRef>())
       .def("adam_step_", &BoundLists::adam_step_)
-      .def("adam8bit_step_", &BoundLists::adam8bit_step_);
+      .def("adam8bit_step_", &BoundLists::adam8bit_step_)
+      .def("sgd_step_", &BoundLists::sgd_step_)
+      .def("lion_step_", &BoundLists::lion_step_);
 }
 
 }  // namespace mpfused::bind

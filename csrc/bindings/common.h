@@ -4,9 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <algorithm>
 #include <array>
-#include <cmath>
 #include <optional>
 #include <vector>
 
@@ -67,6 +65,44 @@ inline at::Device check_amp_args(at::TensorList grads, const at::Tensor& found_i
   return dev;
 }
 
+// ---- shared checks of the step ops -------------------------------------------------------------
+// grads[i] has the dtype of params[i] (the kernels read both through one element type).
+inline void check_grad_dtypes(at::TensorList params, at::TensorList grads) {
+  for (size_t i = 0; i < params.size(); ++i)
+    TORCH_CHECK(grads[i].scalar_type() == params[i].scalar_type(), "mpfused: grads[", i,
+                "] must have its param's dtype ", params[i].scalar_type(), ", got ",
+                grads[i].scalar_type());
+}
+
+// Masters of master_mode: fp32 masters or int16 remainders, one per param whose mode needs it (a
+// missing one would be a null pointer in the kernel).
+inline void check_masters(at::TensorList params, at::TensorList masters, int64_t master_mode) {
+  if (master_mode == kFp32Master) check_dtypes(masters, at::kFloat, "masters");
+  if (master_mode == kRemainder) check_dtypes(masters, at::kShort, "masters (remainders)");
+  if (master_mode != kFp32Master && master_mode != kRemainder) return;
+  for (size_t i = 0; i < params.size(); ++i)
+    TORCH_CHECK(masters.size() == params.size() || params[i].scalar_type() == at::kFloat ||
+                    (master_mode == kRemainder && params[i].scalar_type() == at::kHalf) ||
+                    params[i].numel() == 0,
+                "mpfused: master_mode ", master_mode, " needs one master per param (params[",
+                i, "] is ", params[i].scalar_type(), ")");
+}
+
+// Step counters (1-element float32 on the params' device) and the optional AMP scalars.
+inline void check_steps_and_scalars(at::TensorList steps, const at::Device& dev,
+                                    const std::optional<at::Tensor>& grad_scale,
+                                    const std::optional<at::Tensor>& found_inf,
+                                    const std::optional<at::Tensor>& norm_sq) {
+  for (size_t i = 0; i < steps.size(); ++i)
+    TORCH_CHECK(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat &&
+                    steps[i].device() == dev,
+                "mpfused: steps[", i, "] must be a 1-element float32 tensor on ", dev, ", got ",
+                steps[i].sizes(), " ", steps[i].scalar_type(), " on ", steps[i].device());
+  if (grad_scale) check_scalar_f32(*grad_scale, "grad_scale", dev);
+  if (found_inf) check_scalar_f32(*found_inf, "found_inf", dev);
+  if (norm_sq) check_scalar_f32(*norm_sq, "norm_sq", dev);
+}
+
 // Arguments of adam_step_ (every backend): lengths, dtypes, devices, step counters, scalars.
 // Returns the params' device.
 inline at::Device check_adam_args(at::TensorList params, at::TensorList grads,
@@ -83,34 +119,59 @@ inline at::Device check_adam_args(at::TensorList params, at::TensorList grads,
               "mpfused: params, grads, exp_avgs, exp_avg_sqs and steps must have the same length (",
               params.size(), ", ", grads.size(), ", ", exp_avgs.size(), ", ", exp_avg_sqs.size(),
               ", ", steps.size(), ")");
-  for (size_t i = 0; i < params.size(); ++i)
-    TORCH_CHECK(grads[i].scalar_type() == params[i].scalar_type(), "mpfused: grads[", i,
-                "] must have its param's dtype ", params[i].scalar_type(), ", got ",
-                grads[i].scalar_type());
+  check_grad_dtypes(params, grads);
   check_dtypes(exp_avgs, at::kFloat, "exp_avgs");
   check_dtypes(exp_avg_sqs, at::kFloat, "exp_avg_sqs");
   check_dtypes(max_exp_avg_sqs, at::kFloat, "max_exp_avg_sqs");
   TORCH_CHECK(!amsgrad || max_exp_avg_sqs.size() == params.size(),
               "mpfused: amsgrad needs one max_exp_avg_sq per param");
-  if (master_mode == kFp32Master) check_dtypes(masters, at::kFloat, "masters");
-  if (master_mode == kRemainder) check_dtypes(masters, at::kShort, "masters (remainders)");
-  // A 16-bit param whose mode needs a master must have one, else the kernel reads a null pointer.
-  const bool has_master = master_mode == kFp32Master || master_mode == kRemainder;
-  if (has_master)
-    for (size_t i = 0; i < params.size(); ++i)
-      TORCH_CHECK(masters.size() == params.size() || params[i].scalar_type() == at::kFloat ||
-                      (master_mode == kRemainder && params[i].scalar_type() == at::kHalf) ||
-                      params[i].numel() == 0,
-                  "mpfused: master_mode ", master_mode, " needs one master per param (params[",
-                  i, "] is ", params[i].scalar_type(), ")");
-  for (size_t i = 0; i < steps.size(); ++i)
-    TORCH_CHECK(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat &&
-                    steps[i].device() == dev,
-                "mpfused: steps[", i, "] must be a 1-element float32 tensor on ", dev, ", got ",
-                steps[i].sizes(), " ", steps[i].scalar_type(), " on ", steps[i].device());
-  if (grad_scale) check_scalar_f32(*grad_scale, "grad_scale", dev);
-  if (found_inf) check_scalar_f32(*found_inf, "found_inf", dev);
-  if (norm_sq) check_scalar_f32(*norm_sq, "norm_sq", dev);
+  check_masters(params, masters, master_mode);
+  check_steps_and_scalars(steps, dev, grad_scale, found_inf, norm_sq);
+  return dev;
+}
+
+// Arguments of sgd_step_ (every backend): as adam_step_'s; momentum != 0 needs one fp32 buffer
+// per param (momentum == 0: the buffers are not read). Returns the params' device.
+inline at::Device check_sgd_args(at::TensorList params, at::TensorList grads,
+                                 at::TensorList momentum_buffers, at::TensorList masters,
+                                 at::TensorList steps, double momentum, int64_t master_mode,
+                                 const std::optional<at::Tensor>& grad_scale,
+                                 const std::optional<at::Tensor>& found_inf,
+                                 const std::optional<at::Tensor>& norm_sq) {
+  const at::Device dev = params[0].device();
+  check_same_device(params, dev, "params");
+  TORCH_CHECK(grads.size() == params.size() && steps.size() == params.size(),
+              "mpfused: params, grads and steps must have the same length (", params.size(),
+              ", ", grads.size(), ", ", steps.size(), ")");
+  check_grad_dtypes(params, grads);
+  if (momentum != 0) {
+    TORCH_CHECK(momentum_buffers.size() == params.size(), "mpfused: momentum != 0 needs one "
+                "momentum buffer per param (", params.size(), "), got ", momentum_buffers.size());
+    check_dtypes(momentum_buffers, at::kFloat, "momentum_buffers");
+  }
+  check_masters(params, masters, master_mode);
+  check_steps_and_scalars(steps, dev, grad_scale, found_inf, norm_sq);
+  return dev;
+}
+
+// Arguments of lion_step_ (every backend): as adam_step_'s, one fp32 exp_avg per param. Returns
+// the params' device.
+inline at::Device check_lion_args(at::TensorList params, at::TensorList grads,
+                                  at::TensorList exp_avgs, at::TensorList masters,
+                                  at::TensorList steps, int64_t master_mode,
+                                  const std::optional<at::Tensor>& grad_scale,
+                                  const std::optional<at::Tensor>& found_inf,
+                                  const std::optional<at::Tensor>& norm_sq) {
+  const at::Device dev = params[0].device();
+  check_same_device(params, dev, "params");
+  TORCH_CHECK(grads.size() == params.size() && exp_avgs.size() == params.size() &&
+                  steps.size() == params.size(),
+              "mpfused: params, grads, exp_avgs and steps must have the same length (",
+              params.size(), ", ", grads.size(), ", ", exp_avgs.size(), ", ", steps.size(), ")");
+  check_grad_dtypes(params, grads);
+  check_dtypes(exp_avgs, at::kFloat, "exp_avgs");
+  check_masters(params, masters, master_mode);
+  check_steps_and_scalars(steps, dev, grad_scale, found_inf, norm_sq);
   return dev;
 }
 
@@ -145,10 +206,7 @@ inline at::Device check_adam8bit_args(at::TensorList params, at::TensorList grad
               "have the same length");
   TORCH_CHECK(block_size >= 64 && block_size <= 4096 && (block_size & (block_size - 1)) == 0,
               "mpfused: block_size must be a power of two in [64, 4096], got ", block_size);
-  for (size_t i = 0; i < n; ++i)
-    TORCH_CHECK(grads[i].scalar_type() == params[i].scalar_type(), "mpfused: grads[", i,
-                "] must have its param's dtype ", params[i].scalar_type(), ", got ",
-                grads[i].scalar_type());
+  check_grad_dtypes(params, grads);
   check_dtypes(exp_avgs, at::kByte, "exp_avgs (8-bit codes)");
   check_dtypes(exp_avg_sqs, at::kByte, "exp_avg_sqs (8-bit codes)");
   check_dtypes(absmax1s, at::kFloat, "absmax1s");
@@ -163,23 +221,8 @@ inline at::Device check_adam8bit_args(at::TensorList params, at::TensorList grad
                 "ceil(numel / block_size) = ", blocks, " entries, got ", absmax1s[i].numel(),
                 " and ", absmax2s[i].numel());
   }
-  if (master_mode == kFp32Master) check_dtypes(masters, at::kFloat, "masters");
-  if (master_mode == kRemainder) check_dtypes(masters, at::kShort, "masters (remainders)");
-  const bool has_master = master_mode == kFp32Master || master_mode == kRemainder;
-  if (has_master)
-    for (size_t i = 0; i < n; ++i)
-      TORCH_CHECK(masters.size() == n || params[i].scalar_type() == at::kFloat ||
-                      (master_mode == kRemainder && params[i].scalar_type() == at::kHalf) ||
-                      params[i].numel() == 0,
-                  "mpfused: master_mode ", master_mode, " needs one master per param (params[",
-                  i, "] is ", params[i].scalar_type(), ")");
-  for (size_t i = 0; i < n; ++i)
-    TORCH_CHECK(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat &&
-                    steps[i].device() == dev,
-                "mpfused: steps[", i, "] must be a 1-element float32 tensor on ", dev);
-  if (grad_scale) check_scalar_f32(*grad_scale, "grad_scale", dev);
-  if (found_inf) check_scalar_f32(*found_inf, "found_inf", dev);
-  if (norm_sq) check_scalar_f32(*norm_sq, "norm_sq", dev);
+  check_masters(params, masters, master_mode);
+  check_steps_and_scalars(steps, dev, grad_scale, found_inf, norm_sq);
   return dev;
 }
 
@@ -256,43 +299,6 @@ void fill_adam_config(Config& cfg, const LrArg& lr_arg, double beta1, double bet
   cfg.decoupled = decoupled;
   cfg.master_mode = int32_t(master_mode);
   cfg.seed = uint64_t(seed);
-}
-
-// ---- CPU step scalars ------------------------------------------------------------------------
-// The Adam CPU bindings read their 1-element float32 scalars (shapes, dtypes and the CPU device
-// checked by check_adam_args / check_adam8bit_args) and advance the step counters through their
-// data: item() and add_(1) are dispatcher calls, a few microseconds each per tensor, which cost
-// more than the update of a small tensor.
-inline float cpu_scalar(const at::Tensor& t) { return *t.data_ptr<float>(); }
-
-// The unscale-and-clip multiplier of a CPU step, or nullopt when found_inf > 0 (skip the step).
-inline std::optional<float> cpu_grad_mult(const std::optional<at::Tensor>& grad_scale,
-                                          const std::optional<at::Tensor>& found_inf,
-                                          const std::optional<at::Tensor>& norm_sq,
-                                          double max_grad_norm) {
-  if (found_inf && cpu_scalar(*found_inf) > 0.f) return std::nullopt;
-  float grad_mult = grad_scale ? 1.f / cpu_scalar(*grad_scale) : 1.f;
-  if (norm_sq && max_grad_norm > 0) {
-    const double norm = std::sqrt(double(cpu_scalar(*norm_sq)));
-    grad_mult *= float(std::min(1.0, max_grad_norm / (norm + 1e-6)));
-  }
-  return grad_mult;
-}
-
-// This step's count t = step + 1 of each packed tensor (index: positions in `steps`).
-inline std::vector<double> cpu_next_steps(at::TensorList steps, const std::vector<int64_t>& index) {
-  std::vector<double> t(index.size());
-  for (size_t j = 0; j < t.size(); ++j) t[j] = double(cpu_scalar(steps[index[j]])) + 1.0;
-  return t;
-}
-
-// step += 1 for every counter (empty params included, as torch), as add_(1) would: in float32,
-// with the version counter bumped.
-inline void cpu_advance_steps(at::TensorList steps) {
-  for (const at::Tensor& s : steps) {
-    *s.data_ptr<float>() += 1.f;
-    s.unsafeGetTensorImpl()->bump_version();
-  }
 }
 
 // Arguments of update_scale_ (every backend).

@@ -14,7 +14,7 @@ struct SgdScalars {
   float momentum;
   float one_minus_dampening;  // 1 - dampening in double, rounded once
   float grad_mult;            // inv_scale * clip_coef, negated for maximize
-  bool first;                 // t == 1: the buffer starts as the gradient itself (torch clones it)
+  float first;  // 1 when t == 1 (the buffer starts as the gradient itself: torch clones it), else 0
 };
 
 MPF_HD SgdScalars sgd_scalars(double lr, double momentum, double dampening, double weight_decay,
@@ -25,7 +25,7 @@ MPF_HD SgdScalars sgd_scalars(double lr, double momentum, double dampening, doub
   s.momentum = float(momentum);
   s.one_minus_dampening = float(1.0 - dampening);
   s.grad_mult = maximize ? -grad_mult : grad_mult;
-  s.first = t <= 1.0;
+  s.first = t <= 1.0 ? 1.f : 0.f;
   return s;
 }
 
@@ -34,10 +34,14 @@ MPF_HD SgdScalars sgd_scalars(double lr, double momentum, double dampening, doub
 // buf = momentum * buf + (1 - dampening) * g; g = g + momentum * buf (Nesterov) or buf; w -= lr * g.
 template <bool MOMENTUM, bool NESTEROV>
 MPF_HD void sgd_element(float& w, float g, float& buf, const SgdScalars& s) {
+  // Both sides of each per-tensor choice are computed and one is selected on a float compare: GCC
+  // vectorizes that on every ISA, not a branch around float math nor a select on a bool.
   g = g * s.grad_mult;
-  if (s.weight_decay != 0.f) g = g + s.weight_decay * w;
+  const float decayed = g + s.weight_decay * w;
+  g = s.weight_decay != 0.f ? decayed : g;  // wd == 0 leaves g as it is (an inf w stays out of g)
   if (MOMENTUM) {
-    buf = s.first ? g : s.momentum * buf + s.one_minus_dampening * g;
+    const float next = s.momentum * buf + s.one_minus_dampening * g;
+    buf = s.first != 0.f ? g : next;
     g = NESTEROV ? g + s.momentum * buf : buf;
   }
   w = w - s.lr * g;

@@ -1,0 +1,50 @@
+// CPU registration of the multi-tensor Lion step.
+#include <ATen/Parallel.h>
+
+#include "../cpu/lion_cpu.h"
+#include "common.h"
+#include "cpu_steps.h"
+#include "op_signatures.h"
+
+namespace mpfused::bind {
+namespace {
+
+void lion_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                   at::TensorList masters, at::TensorList steps, double lr,
+                   const std::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
+                   double weight_decay, bool maximize, int64_t master_mode,
+                   const std::optional<at::Tensor>& grad_scale,
+                   const std::optional<at::Tensor>& found_inf,
+                   const std::optional<at::Tensor>& norm_sq, double max_grad_norm, int64_t seed,
+                   at::IntArrayRef param_ids, at::IntArrayRef elem_offsets) {
+  if (params.empty()) return;
+  check_lion_args(params, grads, exp_avgs, masters, steps, master_mode, grad_scale, found_inf,
+                  norm_sq);
+  // Skip on found_inf > 0: nothing is touched, step counters included. CPU tensors: no sync.
+  const std::optional<float> grad_mult =
+      cpu_grad_mult(grad_scale, found_inf, norm_sq, max_grad_norm);
+  if (!grad_mult) return;
+  const bool has_master = master_mode == kFp32Master || master_mode == kRemainder;
+  // Operands in cpu::LionOperand order. Stochastic rounding indexes its stream in logical
+  // (row-major) order: such tensors are staged.
+  PackedLists<4> packed({params, grads, exp_avgs, has_master ? masters : at::TensorList()},
+                        {true, false, true, true}, "params",
+                        /*require_logical_order=*/master_mode == kStochastic);
+  const std::vector<double> t = cpu_next_steps(steps, packed.index);
+  const std::vector<uint64_t> streams =
+      sr_streams(param_ids, elem_offsets, params.size(), packed.index);
+  cpu::LionConfig cfg{host_lr(lr, lr_tensor), beta1, beta2, weight_decay, maximize, *grad_mult,
+                      int32_t(master_mode), uint64_t(seed), streams.data()};
+  cpu::lion_step(packed.view(), t.data(), cfg, at::get_num_threads());
+  packed.finish();
+  cpu_advance_steps(steps);
+}
+
+}  // namespace
+
+static_assert(std::is_same_v<decltype(lion_step_cpu), LionStepFn>,
+              "lion_step_cpu must keep the C++ signature BoundLists calls the op with");
+
+TORCH_LIBRARY_IMPL(mpfused, CPU, m) { m.impl("lion_step_", &lion_step_cpu); }
+
+}  // namespace mpfused::bind

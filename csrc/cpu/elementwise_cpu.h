@@ -1,0 +1,107 @@
+// The CPU multi-tensor engine of elementwise optimizers (SGD, Lion): chunking, OpenMP, per-ISA
+// clones, the master modes and the per-dtype kernel choice, written once; an algorithm plugs in
+// as a policy (its per-tensor scalars and its element function).
+#pragma once
+#include <stdint.h>
+#include <vector>
+
+#include "mpfused/adam_math.h"  // MasterMode, load_weight / store_weight, step_seed
+#include "mpfused/tensor_list.h"
+#include "parallel.h"
+
+namespace mpfused::cpu {
+
+// A policy P provides
+//   using Config;   the op's hyperparameters plus grad_mult, master_mode, seed and streams
+//                   (streams[i]: packed tensor i's sr_stream)
+//   using Scalars;  the fp32 constants of one tensor's update
+//   static constexpr int K;  its fp32 state operands (momentum buffers, moments)
+//   static Scalars scalars(const Config&, double t);  t: the tensor's step, already incremented
+//   static void element(float& w, float g, float* state, const Scalars&);  state: K values
+// Operands of the TensorLists<DEPTH>: 0 param, 1 grad, 2 .. 2+K-1 state, DEPTH-1 master (fp32
+// masters or int16 remainders). DEPTH is the op's layout; a variant with fewer states (SGD
+// without momentum) leaves the other slots unread (null).
+template <typename P, int DEPTH, typename T, int MODE>
+MPF_CPU_MULTIVERSION void elementwise_chunk(void* const* ops, int64_t begin, int64_t n,
+                                            const typename P::Scalars& s, uint64_t seed,
+                                            uint64_t stream) {
+  constexpr int K = P::K;
+  static_assert(K <= DEPTH - 3, "the policy's state operands do not fit the op's layout");
+  static_assert(K <= 3, "the engine carries up to 3 state operands (Adam with AMSGrad's)");
+  T* __restrict p = static_cast<T*>(ops[0]) + begin;
+  const T* __restrict g = static_cast<const T*>(ops[1]) + begin;
+  float* __restrict s0 = K > 0 ? static_cast<float*>(ops[2]) + begin : nullptr;
+  float* __restrict s1 = K > 1 ? static_cast<float*>(ops[3]) + begin : nullptr;
+  float* __restrict s2 = K > 2 ? static_cast<float*>(ops[4]) + begin : nullptr;
+  float* __restrict master =
+      MODE == kFp32Master ? static_cast<float*>(ops[DEPTH - 1]) + begin : nullptr;
+  int16_t* __restrict rem =
+      MODE == kRemainder ? static_cast<int16_t*>(ops[DEPTH - 1]) + begin : nullptr;
+  // A tensor's operands are distinct tensors (the schema's aliasing): no dependence between
+  // iterations. ivdep, not omp simd: omp simd privatizes x[] per lane, and GCC 12 then left SGD
+  // with momentum scalar (several times slower in cache).
+#pragma GCC ivdep
+  for (int64_t i = 0; i < n; ++i) {
+    float w = load_weight<T, MODE>(p, master, rem, i);
+    float x[K > 0 ? K : 1] = {};  // no zero-length arrays
+    if constexpr (K > 0) x[0] = s0[i];
+    if constexpr (K > 1) x[1] = s1[i];
+    if constexpr (K > 2) x[2] = s2[i];
+    P::element(w, to_f32(g[i]), x, s);
+    if constexpr (K > 0) s0[i] = x[0];
+    if constexpr (K > 1) s1[i] = x[1];
+    if constexpr (K > 2) s2[i] = x[2];
+    store_weight<T, MODE>(w, p, master, rem, i, seed, stream, begin + i);
+  }
+}
+
+template <typename P>
+using ElementwiseChunkFn = void (*)(void* const*, int64_t, int64_t, const typename P::Scalars&,
+                                    uint64_t, uint64_t);
+
+// The master modes each dtype has (as adam_cpu.cpp): fp32 params are their own master, fp16 has
+// an fp32 master or none, bf16 every mode (remainders and stochastic rounding included).
+template <typename P, int DEPTH>
+ElementwiseChunkFn<P> pick_elementwise_chunk(int32_t dtype, int mode) {
+  switch (dtype) {
+    case kFloat32: return &elementwise_chunk<P, DEPTH, float, kNoMaster>;
+    case kFloat16:
+      return mode == kFp32Master ? &elementwise_chunk<P, DEPTH, f16_t, kFp32Master>
+                                 : &elementwise_chunk<P, DEPTH, f16_t, kNoMaster>;
+    default:
+      switch (mode) {
+        case kFp32Master: return &elementwise_chunk<P, DEPTH, bf16_t, kFp32Master>;
+        case kRemainder: return &elementwise_chunk<P, DEPTH, bf16_t, kRemainder>;
+        case kStochastic: return &elementwise_chunk<P, DEPTH, bf16_t, kStochastic>;
+        default: return &elementwise_chunk<P, DEPTH, bf16_t, kNoMaster>;
+      }
+  }
+}
+
+// One step of policy P over every tensor of `t`. step[i]: tensor i's step t (already
+// incremented). Scalars are reused while the step repeats (a group's tensors usually share it).
+template <typename P, int DEPTH>
+void elementwise_step(const TensorLists<DEPTH>& t, const double* step,
+                      const typename P::Config& c, int num_threads) {
+  const std::vector<Chunk> chunks = make_chunks(t.numel, t.size);
+  const size_t n = size_t(t.size);
+  std::vector<typename P::Scalars> scalars(n);
+  std::vector<uint64_t> seeds(n);
+  std::vector<ElementwiseChunkFn<P>> kernels(n);
+  for (size_t i = 0; i < n; ++i) {
+    scalars[i] = i > 0 && step[i] == step[i - 1] ? scalars[i - 1] : P::scalars(c, step[i]);
+    seeds[i] = step_seed(c.seed, step[i]);
+    kernels[i] = pick_elementwise_chunk<P, DEPTH>(t.dtype[i], c.master_mode);
+  }
+  const int64_t nc = int64_t(chunks.size());
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (nc > 1)
+  for (int64_t k = 0; k < nc; ++k) {
+    const Chunk& ch = chunks[k];
+    void* ops[DEPTH];
+    for (int d = 0; d < DEPTH; ++d) ops[d] = t.data[d][ch.tensor];
+    kernels[ch.tensor](ops, ch.begin, ch.end - ch.begin, scalars[ch.tensor], seeds[ch.tensor],
+                       c.streams[ch.tensor]);
+  }
+}
+
+}  // namespace mpfused::cpu
