@@ -47,7 +47,13 @@ CHECKERS = {
                  "-fno-omit-frame-pointer"],
     "racecheck": ["-fsanitize=thread"],
 }
-PROGRAMS = ["emulator_selftest", "amp_adam_vs_cpu", "adam8bit_vs_cpu"]
+# Each program and what it links: csrc/cuda units (built under each checker), csrc/cpu units.
+UNITS = {
+    "emulator_selftest": ([], []),
+    "amp_adam_vs_cpu": (["amp_cuda", "adam_cuda", "step_counters_cuda"], ["amp_cpu", "adam_cpu"]),
+    "adam8bit_vs_cpu": (["adam8bit_cuda"], ["adam8bit_cpu"]),
+}
+PROGRAMS = list(UNITS)
 # emulator_selftest's deliberately racy kernels, each of which racecheck must report.
 RACES = {"race-barrier": "broadcast", "race-shuffle": "across_a_shuffle"}
 # As the extension builds its kernels: no FMA contraction anywhere (setup.py: -ffp-contract=off
@@ -105,25 +111,25 @@ def programs(tmp_path_factory):
     # Objects: the CUDA files under each checker; the CPU kernels under memcheck, and plain for
     # racecheck (their OpenMP runtime is not instrumented, so TSan could not follow it).
     objects: dict[str, tuple[Path, list[str]]] = {}
-    for family in ["amp", "adam", "adam8bit"]:
+    for unit in sorted({u for cuda, _ in UNITS.values() for u in cuda}):
         for checker, flags in checkers.items():
-            out = tmp / f"{family}_cuda.{checker}.o"
-            objects[f"{family}.emu.{checker}"] = out, [
+            out = tmp / f"{unit}.{checker}.o"
+            objects[f"{unit}.{checker}"] = out, [
                 CXX, *FLAGS, *flags, *EMU_INC, "-x", "c++", "-c",
-                str(ROOT / "csrc" / "cuda" / f"{family}_cuda.cu"), "-o", str(out)]
+                str(ROOT / "csrc" / "cuda" / f"{unit}.cu"), "-o", str(out)]
+    for unit in sorted({u for _, cpu in UNITS.values() for u in cpu}):
         for kind, flags in [("memcheck", checkers["memcheck"]), ("plain", [])]:
             if kind == "plain" and "racecheck" not in checkers:
                 continue
-            out = tmp / f"{family}_cpu.{kind}.o"
-            objects[f"{family}.cpu.{kind}"] = out, [
-                CXX, *FLAGS, *flags, "-c", str(ROOT / "csrc" / "cpu" / f"{family}_cpu.cpp"),
+            out = tmp / f"{unit}.{kind}.o"
+            objects[f"{unit}.{kind}"] = out, [
+                CXX, *FLAGS, *flags, "-c", str(ROOT / "csrc" / "cpu" / f"{unit}.cpp"),
                 "-o", str(out)]
 
     def deps(name: str, checker: str) -> list[str]:
         cpu = "memcheck" if checker == "memcheck" else "plain"
-        families = {"emulator_selftest": [], "amp_adam_vs_cpu": ["amp", "adam"],
-                    "adam8bit_vs_cpu": ["adam8bit"]}[name]
-        return [f"{f}.emu.{checker}" for f in families] + [f"{f}.cpu.{cpu}" for f in families]
+        cuda_units, cpu_units = UNITS[name]
+        return [f"{u}.{checker}" for u in cuda_units] + [f"{u}.{cpu}" for u in cpu_units]
 
     args = {"emulator_selftest": [], "amp_adam_vs_cpu": [str(seed)],
             "adam8bit_vs_cpu": [str(maps), str(seed)]}

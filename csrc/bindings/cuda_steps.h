@@ -6,7 +6,7 @@
 #include <optional>
 #include <vector>
 
-#include "../cuda/adam_cuda.h"
+#include "../cuda/step_counters_cuda.h"
 #include "common.h"
 
 namespace mpfused::bind {
