@@ -3,7 +3,7 @@
 csrc/cuda/*.cu are compiled unchanged as C++ by g++, with tests/cuda_emulation/cuda_runtime.h
 standing in for the toolkit header: every launch runs each block as cooperative host threads with
 CUDA's barrier, vote and warp-shuffle semantics, blocks in a shuffled order, fresh (0xFF) shared
-memory per block. Three programs:
+memory per block. Four programs:
 
 * emulator_selftest: the emulation against CUDA's semantics, and proof that it reports a divergent
   barrier, threads meeting at different barriers or shuffles, a missing barrier (also one only a
@@ -11,7 +11,9 @@ memory per block. Three programs:
 * amp_adam_vs_cpu: cuda::amp_check / update_scale / adam_step / increment_steps against the CPU
   kernels, byte for byte (sums of squares against an exact double sum);
 * adam8bit_vs_cpu: cuda::adam8bit_step (its prepare and main launches) against
-  cpu::adam8bit_step, byte for byte, and what the step leaves in its workspace.
+  cpu::adam8bit_step, byte for byte, and what the step leaves in its workspace;
+* sgd_lion_vs_cpu: cuda::sgd_step / lion_step (the generic elementwise kernel) + increment_steps
+  against the shared per-element math run as the CPU kernels run it, byte for byte.
 
 Each is built twice, as the two compute-sanitizer tools a GPU run would use:
 * memcheck: AddressSanitizer + UndefinedBehaviorSanitizer; the guard bytes around every buffer are
@@ -52,6 +54,9 @@ UNITS = {
     "emulator_selftest": ([], []),
     "amp_adam_vs_cpu": (["amp_cuda", "adam_cuda", "step_counters_cuda"], ["amp_cpu", "adam_cpu"]),
     "adam8bit_vs_cpu": (["adam8bit_cuda"], ["adam8bit_cpu"]),
+    # The CPU side is the driver's own loop over the shared per-element functions until
+    # csrc/cpu/sgd_cpu.cpp and lion_cpu.cpp exist.
+    "sgd_lion_vs_cpu": (["sgd_cuda", "lion_cuda", "step_counters_cuda"], []),
 }
 PROGRAMS = list(UNITS)
 # emulator_selftest's deliberately racy kernels, each of which racecheck must report.
@@ -132,7 +137,7 @@ def programs(tmp_path_factory):
         return [f"{u}.{checker}" for u in cuda_units] + [f"{u}.{cpu}" for u in cpu_units]
 
     args = {"emulator_selftest": [], "amp_adam_vs_cpu": [str(seed)],
-            "adam8bit_vs_cpu": [str(maps), str(seed)]}
+            "adam8bit_vs_cpu": [str(maps), str(seed)], "sgd_lion_vs_cpu": [str(seed)]}
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0", UBSAN_OPTIONS="print_stacktrace=1",
                TSAN_OPTIONS="exitcode=66", OMP_NUM_THREADS="2")
 
@@ -208,3 +213,9 @@ def test_cuda_amp_and_adam_kernels_match_cpu_kernels(programs, checker):
 @pytest.mark.parametrize("checker", list(CHECKERS))
 def test_cuda_adam8bit_kernel_matches_cpu_kernel(programs, checker):
     _check(programs, checker, "adam8bit_vs_cpu")
+
+
+@pytest.mark.parametrize("checker", list(CHECKERS))
+def test_cuda_sgd_and_lion_kernels_match_cpu_math(programs, checker):
+    out = _check(programs, checker, "sgd_lion_vs_cpu")
+    assert "emulated launches" in out
