@@ -49,14 +49,16 @@ CHECKERS = {
                  "-fno-omit-frame-pointer"],
     "racecheck": ["-fsanitize=thread"],
 }
+SGD_LION_CPU = [u for u in ("sgd_cpu", "lion_cpu")
+                if (ROOT / "csrc" / "cpu" / f"{u}.cpp").exists()]
 # Each program and what it links: csrc/cuda units (built under each checker), csrc/cpu units.
 UNITS = {
     "emulator_selftest": ([], []),
     "amp_adam_vs_cpu": (["amp_cuda", "adam_cuda", "step_counters_cuda"], ["amp_cpu", "adam_cpu"]),
     "adam8bit_vs_cpu": (["adam8bit_cuda"], ["adam8bit_cpu"]),
-    # The CPU side is the driver's own loop over the shared per-element functions until
-    # csrc/cpu/sgd_cpu.cpp and lion_cpu.cpp exist.
-    "sgd_lion_vs_cpu": (["sgd_cuda", "lion_cuda", "step_counters_cuda"], []),
+    # Without csrc/cpu/sgd_cpu and lion_cpu the driver compares with its own loop over the shared
+    # per-element functions (and says so).
+    "sgd_lion_vs_cpu": (["sgd_cuda", "lion_cuda", "step_counters_cuda"], SGD_LION_CPU),
 }
 PROGRAMS = list(UNITS)
 # emulator_selftest's deliberately racy kernels, each of which racecheck must report.
@@ -216,6 +218,8 @@ def test_cuda_adam8bit_kernel_matches_cpu_kernel(programs, checker):
 
 
 @pytest.mark.parametrize("checker", list(CHECKERS))
-def test_cuda_sgd_and_lion_kernels_match_cpu_math(programs, checker):
+def test_cuda_sgd_and_lion_kernels_match_cpu_kernels(programs, checker):
     out = _check(programs, checker, "sgd_lion_vs_cpu")
     assert "emulated launches" in out
+    if SGD_LION_CPU:  # the CPU kernels are what it compared with
+        assert "expected: cpu::sgd_step / cpu::lion_step" in out, out

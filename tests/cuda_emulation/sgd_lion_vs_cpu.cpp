@@ -6,10 +6,10 @@
 // mid-tensor, grad_scale, clipping, a device lr, found_inf skips (nothing written, counters
 // included), zeros and non-finite gradients, launch counts.
 //
-// The CPU side is a scalar loop over the shared per-element functions (sgd_element /
-// lion_element between load_weight and store_weight, cpu::pick_kernel's per-dtype modes, the CPU
-// bindings' grad_mult): the CPU kernels' math, standing in for cpu::sgd_step / cpu::lion_step
-// until those exist (csrc/cpu/sgd_cpu.h, lion_cpu.h).
+// The CPU side is cpu::sgd_step / cpu::lion_step (csrc/cpu/sgd_cpu.h, lion_cpu.h) with the CPU
+// bindings' host-side grad_mult and lr. In a tree without those kernels it is a scalar loop over
+// the same shared per-element functions (sgd_element / lion_element between load_weight and
+// store_weight, cpu::pick_kernel's per-dtype modes); the program says which it used.
 //
 // usage: sgd_lion_vs_cpu [seed]
 #include <cuda_runtime.h>
@@ -17,6 +17,11 @@
 #include <random>
 #include <type_traits>
 
+#if __has_include("../cpu/sgd_cpu.h") && __has_include("../cpu/lion_cpu.h")
+#define MPF_TEST_CPU_KERNELS 1
+#include "../cpu/lion_cpu.h"
+#include "../cpu/sgd_cpu.h"
+#endif
 #include "harness.h"
 #include "lion_cuda.h"
 #include "multi_tensor_apply.cuh"
@@ -71,6 +76,45 @@ struct Tensor {
 
 bool has_state(const Case& k) { return k.lion || k.momentum != 0.0; }
 
+#ifdef MPF_TEST_CPU_KERNELS
+constexpr const char* kExpected = "cpu::sgd_step / cpu::lion_step";
+
+// The CPU kernels on `ref` (counters not advanced here).
+void expected_step(std::vector<Tensor>& ref, const Case& k, double lr, float gm,
+                   const std::vector<uint64_t>& streams) {
+  std::vector<std::vector<void*>> ptrs(4);
+  std::vector<int64_t> numel;
+  std::vector<int32_t> dtype;
+  std::vector<double> steps;
+  const int state_op = k.lion ? int(cpu::kLionExpAvg) : int(cpu::kSgdMomentumBuffer);
+  const int master_op = k.lion ? int(cpu::kLionMaster) : int(cpu::kSgdMaster);
+  for (Tensor& t : ref) {
+    ptrs[0].push_back(t.p.ptr());
+    ptrs[1].push_back(t.g.ptr());
+    ptrs[state_op].push_back(t.state.ptr());
+    ptrs[master_op].push_back(t.master.ptr());
+    numel.push_back(t.n);
+    dtype.push_back(t.dtype);
+    steps.push_back(double(t.step) + 1.0);
+  }
+  TensorLists<4> L{};
+  for (int d = 0; d < 4; ++d) L.data[d] = ptrs[d].data();
+  L.numel = numel.data();
+  L.dtype = dtype.data();
+  L.size = int64_t(ref.size());
+  if (k.lion) {
+    const cpu::LionConfig c{lr, kLionBeta1, kLionBeta2, k.weight_decay, k.maximize, gm, k.mode,
+                            kSeed, streams.data()};
+    cpu::lion_step(L, steps.data(), c, 2);
+  } else {
+    const cpu::SgdConfig c{lr, k.momentum, k.dampening, k.weight_decay, k.nesterov, k.maximize,
+                           gm, k.mode, kSeed, streams.data()};
+    cpu::sgd_step(L, steps.data(), c, 2);
+  }
+}
+#else
+constexpr const char* kExpected = "the per-element loop (no cpu::sgd_step / lion_step here)";
+
 // cpu::pick_kernel's choice: f(T{}, integral_constant<MODE>) with the effective storage type and
 // master mode of a tensor.
 template <typename F>
@@ -112,6 +156,15 @@ void expect_tensor(Tensor& t, const Case& k, double lr, float gm, uint64_t strea
     store_weight<T, MODE>(w, p, master, rem, i, seed, stream, i);
   }
 }
+
+void expected_step(std::vector<Tensor>& ref, const Case& k, double lr, float gm,
+                   const std::vector<uint64_t>& streams) {
+  for (size_t i = 0; i < ref.size(); ++i)
+    dispatch(ref[i].dtype, k.mode, [&](auto tag, auto mode) {
+      expect_tensor<decltype(tag), decltype(mode)::value>(ref[i], k, lr, gm, streams[i]);
+    });
+}
+#endif
 
 void run_case(const Case& k, uint64_t seed) {
   std::mt19937_64 rng(seed);
@@ -162,13 +215,8 @@ void run_case(const Case& k, uint64_t seed) {
   if (!skip) {
     float gm = k.grad_scale ? 1.f / grad_scale : 1.f;
     if (k.clip) gm *= float(std::min(1.0, max_grad_norm / (std::sqrt(double(norm_sq)) + 1e-6)));
-    const double lr = k.lr_ptr ? double(dev_lr) : host_lr;
-    for (int64_t i = 0; i < n; ++i) {
-      dispatch(ref[i].dtype, k.mode, [&](auto tag, auto mode) {
-        expect_tensor<decltype(tag), decltype(mode)::value>(ref[i], k, lr, gm, streams[i]);
-      });
-      ref[i].step += 1.f;
-    }
+    expected_step(ref, k, k.lr_ptr ? double(dev_lr) : host_lr, gm, streams);
+    for (Tensor& t : ref) t.step += 1.f;
   }
 
   // Emulated CUDA calls: the step, then the counters.
@@ -340,6 +388,7 @@ size_t run_launch_counts(uint64_t& seed) {
 
 int main(int argc, char** argv) {
   uint64_t seed = emu_test::seed_from(argc, argv, 1);
+  std::printf("expected: %s\n", kExpected);
   mpf_emulation::seed(seed);
   seed *= 1000;
   const std::vector<Case> all = cases();
