@@ -24,7 +24,8 @@ struct LionPolicy {
 
 }  // namespace
 
-cudaError_t lion_step(const TensorLists<kLionDepth>& t, const LionConfig& cfg, cudaStream_t stream) {
+cudaError_t lion_step(const TensorLists<kLionDepth>& t, const LionConfig& cfg,
+                      cudaStream_t stream) {
   if (t.size == 0) return cudaSuccess;
   return ew::step<LionPolicy>(t, cfg, stream);
 }
