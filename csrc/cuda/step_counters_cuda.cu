@@ -1,6 +1,7 @@
 // CUDA step counters: one launch per 500 (4 KB parameters) or 4,000 (32 KB) counters adds 1 to
 // each unless found_inf > 0. Shared by the step ops whose kernels read the counters (Adam, 8-bit
-// Adam): a kernel cannot advance them itself, a tensor's chunks are run by several blocks.
+// Adam, SGD, Lion): a kernel cannot advance them itself, a tensor's chunks are run by several
+// blocks.
 #include "step_counters_cuda.h"
 
 #include "multi_tensor_apply.cuh"
