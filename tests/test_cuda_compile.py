@@ -305,7 +305,8 @@ def results(tmp_path_factory):
 
 def test_there_are_cuda_sources():
     names = {Path(f).name for f in CU_FILES}
-    assert {"amp_cuda.cu", "adam_cuda.cu", "adam8bit_cuda.cu"} <= names
+    assert {"amp_cuda.cu", "adam_cuda.cu", "adam8bit_cuda.cu", "sgd_cuda.cu", "lion_cuda.cu",
+            "step_counters_cuda.cu"} <= names
     bindings = {Path(b).name for b in BINDINGS}
     assert {"amp_ops_cuda.cpp", "adam_ops_cuda.cpp", "adam8bit_ops_cuda.cpp"} <= bindings
     assert (ROOT / "csrc" / "cuda" / "multi_tensor_apply.cuh").exists()
@@ -340,13 +341,17 @@ def _ptxas_report(out: str) -> dict[str, dict[str, int]]:
     return kernels
 
 
-# Register and spill budgets per file (512-thread blocks; 65536 registers per SM). The 8-bit
-# and Adam kernels ask for two blocks per SM (<= 64 registers); the 8-bit fp32-master mode pays
-# 8 B of spill for it (16 B, and 8 B in the remainder mode, before its per-block setup moved to
-# the prepare launch: adam8bit_prepare.cuh, 38-40 registers). The others spill nothing.
+# Register and spill budgets per file (512-thread blocks; 65536 registers per SM). The 8-bit,
+# Adam and elementwise (SGD, Lion) kernels ask for two blocks per SM (<= 64 registers); the 8-bit
+# fp32-master mode pays 8 B of spill for it (16 B, and 8 B in the remainder mode, before its
+# per-block setup moved to the prepare launch: adam8bit_prepare.cuh, 38-40 registers). The others
+# spill nothing.
 RESOURCE_BUDGET = {"adam8bit_cuda.cu": {"registers": 64, "spill_stores": 8},
                    "adam_cuda.cu": {"registers": 64, "spill_stores": 0},
-                   "amp_cuda.cu": {"registers": 128, "spill_stores": 0}}
+                   "amp_cuda.cu": {"registers": 128, "spill_stores": 0},
+                   "lion_cuda.cu": {"registers": 64, "spill_stores": 0},
+                   "sgd_cuda.cu": {"registers": 64, "spill_stores": 0},
+                   "step_counters_cuda.cu": {"registers": 32, "spill_stores": 0}}
 
 
 @pytest.mark.parametrize("arch", ARCHS)

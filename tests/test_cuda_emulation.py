@@ -3,7 +3,7 @@
 csrc/cuda/*.cu are compiled unchanged as C++ by g++, with tests/cuda_emulation/cuda_runtime.h
 standing in for the toolkit header: every launch runs each block as cooperative host threads with
 CUDA's barrier, vote and warp-shuffle semantics, blocks in a shuffled order, fresh (0xFF) shared
-memory per block. Three programs:
+memory per block. Four programs:
 
 * emulator_selftest: the emulation against CUDA's semantics, and proof that it reports a divergent
   barrier, threads meeting at different barriers or shuffles, a missing barrier (also one only a
@@ -11,7 +11,9 @@ memory per block. Three programs:
 * amp_adam_vs_cpu: cuda::amp_check / update_scale / adam_step / increment_steps against the CPU
   kernels, byte for byte (sums of squares against an exact double sum);
 * adam8bit_vs_cpu: cuda::adam8bit_step (its prepare and main launches) against
-  cpu::adam8bit_step, byte for byte, and what the step leaves in its workspace.
+  cpu::adam8bit_step, byte for byte, and what the step leaves in its workspace;
+* sgd_lion_vs_cpu: cuda::sgd_step / lion_step (the generic elementwise kernel) + increment_steps
+  against the shared per-element math run as the CPU kernels run it, byte for byte.
 
 Each is built twice, as the two compute-sanitizer tools a GPU run would use:
 * memcheck: AddressSanitizer + UndefinedBehaviorSanitizer; the guard bytes around every buffer are
@@ -47,7 +49,18 @@ CHECKERS = {
                  "-fno-omit-frame-pointer"],
     "racecheck": ["-fsanitize=thread"],
 }
-PROGRAMS = ["emulator_selftest", "amp_adam_vs_cpu", "adam8bit_vs_cpu"]
+SGD_LION_CPU = [u for u in ("sgd_cpu", "lion_cpu")
+                if (ROOT / "csrc" / "cpu" / f"{u}.cpp").exists()]
+# Each program and what it links: csrc/cuda units (built under each checker), csrc/cpu units.
+UNITS = {
+    "emulator_selftest": ([], []),
+    "amp_adam_vs_cpu": (["amp_cuda", "adam_cuda", "step_counters_cuda"], ["amp_cpu", "adam_cpu"]),
+    "adam8bit_vs_cpu": (["adam8bit_cuda"], ["adam8bit_cpu"]),
+    # Without csrc/cpu/sgd_cpu and lion_cpu the driver compares with its own loop over the shared
+    # per-element functions (and says so).
+    "sgd_lion_vs_cpu": (["sgd_cuda", "lion_cuda", "step_counters_cuda"], SGD_LION_CPU),
+}
+PROGRAMS = list(UNITS)
 # emulator_selftest's deliberately racy kernels, each of which racecheck must report.
 RACES = {"race-barrier": "broadcast", "race-shuffle": "across_a_shuffle"}
 # As the extension builds its kernels: no FMA contraction anywhere (setup.py: -ffp-contract=off
@@ -105,28 +118,28 @@ def programs(tmp_path_factory):
     # Objects: the CUDA files under each checker; the CPU kernels under memcheck, and plain for
     # racecheck (their OpenMP runtime is not instrumented, so TSan could not follow it).
     objects: dict[str, tuple[Path, list[str]]] = {}
-    for family in ["amp", "adam", "adam8bit"]:
+    for unit in sorted({u for cuda, _ in UNITS.values() for u in cuda}):
         for checker, flags in checkers.items():
-            out = tmp / f"{family}_cuda.{checker}.o"
-            objects[f"{family}.emu.{checker}"] = out, [
+            out = tmp / f"{unit}.{checker}.o"
+            objects[f"{unit}.{checker}"] = out, [
                 CXX, *FLAGS, *flags, *EMU_INC, "-x", "c++", "-c",
-                str(ROOT / "csrc" / "cuda" / f"{family}_cuda.cu"), "-o", str(out)]
+                str(ROOT / "csrc" / "cuda" / f"{unit}.cu"), "-o", str(out)]
+    for unit in sorted({u for _, cpu in UNITS.values() for u in cpu}):
         for kind, flags in [("memcheck", checkers["memcheck"]), ("plain", [])]:
             if kind == "plain" and "racecheck" not in checkers:
                 continue
-            out = tmp / f"{family}_cpu.{kind}.o"
-            objects[f"{family}.cpu.{kind}"] = out, [
-                CXX, *FLAGS, *flags, "-c", str(ROOT / "csrc" / "cpu" / f"{family}_cpu.cpp"),
+            out = tmp / f"{unit}.{kind}.o"
+            objects[f"{unit}.{kind}"] = out, [
+                CXX, *FLAGS, *flags, "-c", str(ROOT / "csrc" / "cpu" / f"{unit}.cpp"),
                 "-o", str(out)]
 
     def deps(name: str, checker: str) -> list[str]:
         cpu = "memcheck" if checker == "memcheck" else "plain"
-        families = {"emulator_selftest": [], "amp_adam_vs_cpu": ["amp", "adam"],
-                    "adam8bit_vs_cpu": ["adam8bit"]}[name]
-        return [f"{f}.emu.{checker}" for f in families] + [f"{f}.cpu.{cpu}" for f in families]
+        cuda_units, cpu_units = UNITS[name]
+        return [f"{u}.{checker}" for u in cuda_units] + [f"{u}.{cpu}" for u in cpu_units]
 
     args = {"emulator_selftest": [], "amp_adam_vs_cpu": [str(seed)],
-            "adam8bit_vs_cpu": [str(maps), str(seed)]}
+            "adam8bit_vs_cpu": [str(maps), str(seed)], "sgd_lion_vs_cpu": [str(seed)]}
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0", UBSAN_OPTIONS="print_stacktrace=1",
                TSAN_OPTIONS="exitcode=66", OMP_NUM_THREADS="2")
 
@@ -202,3 +215,11 @@ def test_cuda_amp_and_adam_kernels_match_cpu_kernels(programs, checker):
 @pytest.mark.parametrize("checker", list(CHECKERS))
 def test_cuda_adam8bit_kernel_matches_cpu_kernel(programs, checker):
     _check(programs, checker, "adam8bit_vs_cpu")
+
+
+@pytest.mark.parametrize("checker", list(CHECKERS))
+def test_cuda_sgd_and_lion_kernels_match_cpu_kernels(programs, checker):
+    out = _check(programs, checker, "sgd_lion_vs_cpu")
+    assert "emulated launches" in out
+    if SGD_LION_CPU:  # the CPU kernels are what it compared with
+        assert "expected: cpu::sgd_step / cpu::lion_step" in out, out

@@ -1,4 +1,5 @@
-// Step counters of the CUDA Adam bindings (fp32 and 8-bit state): one launch advances them all.
+// Step counters and stream operands of the CUDA step bindings (Adam, 8-bit Adam, SGD, Lion): one
+// launch advances every counter.
 #pragma once
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
@@ -6,7 +7,7 @@
 #include <optional>
 #include <vector>
 
-#include "../cuda/adam_cuda.h"
+#include "../cuda/step_counters_cuda.h"
 #include "common.h"
 
 namespace mpfused::bind {

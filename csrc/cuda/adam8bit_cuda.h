@@ -47,7 +47,7 @@ struct Adam8bitConfig {
 
 // Every operand is contiguous (logical order: the codes and absmax follow it). Operand kQ8Step:
 // tensor i's step counter s, read as t = s + 1; the counters are incremented afterwards by
-// cuda::increment_steps (adam_cuda.h), which skips on found_inf > 0 as this kernel does.
+// cuda::increment_steps (step_counters_cuda.h), which skips on found_inf > 0 as this kernel does.
 //
 // The maps are read on the device, so they cannot be validated by the caller without a sync.
 // They are checked on the device (sorted, +0 above the first entry); when they are not, every

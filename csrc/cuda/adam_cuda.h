@@ -36,13 +36,8 @@ struct AdamConfig {
 // params (dtype[i]: fp32/fp16/bf16) and grads of the same dtype; exp_avg, exp_avg_sq,
 // max_exp_avg_sq (when amsgrad) fp32; master fp32 (kFp32Master) or int16 (kRemainder); operand
 // kStep: tensor i's step counter s, read as t = s + 1 (the counters are incremented afterwards by
-// increment_steps). grad_mult = (1 / grad_scale) * min(1, max_grad_norm / (sqrt(norm_sq) + 1e-6))
-// and the bias corrections are computed per block on the device.
+// increment_steps, step_counters_cuda.h). grad_mult = (1 / grad_scale) * min(1, max_grad_norm /
+// (sqrt(norm_sq) + 1e-6)) and the bias corrections are computed per block on the device.
 cudaError_t adam_step(const TensorLists<kAdamDepth>& t, const AdamConfig& cfg, cudaStream_t stream);
-
-// steps: host array of n device pointers. Adds 1 to every counter unless found_inf (device,
-// may be null) is > 0. Stream-ordered after adam_step: no host sync.
-cudaError_t increment_steps(float* const* steps, int64_t n, const float* found_inf,
-                            cudaStream_t stream);
 
 }  // namespace mpfused::cuda

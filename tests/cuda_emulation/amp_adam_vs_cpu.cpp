@@ -18,6 +18,7 @@
 #include "amp_cuda.h"
 #include "harness.h"
 #include "multi_tensor_apply.cuh"
+#include "step_counters_cuda.h"
 
 using namespace mpfused;
 using emu_test::Buf;
