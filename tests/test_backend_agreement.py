@@ -17,13 +17,15 @@ check backend
 (the scaler's ``backend="native"``) and the check op is compared on its own with that budget.
 
 SGD and Lion are compared through their optimizers (a few cases above) and op by op (sgd_step_,
-lion_step_ over the cases of tests/test_sgd_lion_triton.py), skipped while the extension has no
-native CPU kernel for them."""
+lion_step_ over the cases of tests/test_sgd_lion_triton.py; sgd8bit_step_, lion8bit_step_ over
+those of tests/test_sgd_lion_8bit_triton.py), skipped while the extension has no native CPU
+kernel for them."""
 import pytest
 import torch
 
 import mpfused
 from mpfused.ops import OPS
+from tests import test_sgd_lion_8bit_triton as Q8
 from tests import test_sgd_lion_triton as SL
 
 pytestmark = pytest.mark.skipif(
@@ -84,15 +86,19 @@ def _run(backend: str, cls, dtype, kwargs, seed: int):
     return out
 
 
-def _sgd_lion_native_registered() -> bool:
+def _native_registered(*ops) -> bool:
     return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"mpfused::{op}", "CPU")
-               for op in ("sgd_step_", "lion_step_"))
+               for op in ops)
 
 
 NO_SGD_LION_NATIVE = pytest.mark.skipif(
-    not _sgd_lion_native_registered(),
+    not _native_registered("sgd_step_", "lion_step_"),
     reason="the native CPU kernels of sgd_step_ / lion_step_ are not registered (not built into "
            "this extension)")
+NO_SGD_LION_8BIT_NATIVE = pytest.mark.skipif(
+    not _native_registered("sgd8bit_step_", "lion8bit_step_"),
+    reason="the native CPU kernels of sgd8bit_step_ / lion8bit_step_ are not registered (not "
+           "built into this extension)")
 
 
 @pytest.mark.parametrize("case", [
@@ -163,3 +169,32 @@ def test_sgd_lion_triton_equals_native_bit_for_bit(case):
         for key in SL.KEYS:
             for i, (a, b) in enumerate(zip(tri[key], nat[key])):
                 assert SL.bits_equal(a, b), f"{op} step {k}: {key}[{i}] differs"
+
+
+# ---- SGD and Lion with an 8-bit state, op by op: Triton = native bit for bit ------------------
+@NO_SGD_LION_8BIT_NATIVE
+@pytest.mark.parametrize("case", Q8.CASES, ids=Q8.case_id)
+def test_sgd_lion_8bit_triton_equals_native_bit_for_bit(case):
+    """Every case of tests/test_sgd_lion_8bit_triton.py (dtypes x master modes x options x block
+    sizes, partial last blocks, empty tensors), STEPS + 1 steps from the same state and grads:
+    codes, absmax, params, masters, remainders and step counters bit for bit. The INF_STEP-th
+    step is skipped by found_inf; the last has a NaN grad in the middle of a block (its block's
+    absmax becomes NaN: the max over bit patterns, and the codes of a NaN block)."""
+    op, c = case
+    tri, kw, scale, clip = Q8.case_state(op, c, "cpu")
+    nat = SL.clone_state(tri)
+    big = 3  # the tensor of several blocks (Q8.shapes_for)
+    for k in range(STEPS + 1):
+        SL.new_grads(tri, scale or 1.0)
+        extra = SL.scaler_args(tri, scale, clip)  # clipping from the finite grads
+        if k == INF_STEP:
+            extra["found_inf"] = torch.ones(1)
+        if k == STEPS:
+            tri["grads"][big].view(-1)[tri["grads"][big].numel() // 2] = float("nan")
+        nat["grads"] = [g.clone() for g in tri["grads"]]
+        Q8.step(op, tri, "triton", **kw, **extra)
+        Q8.step(op, nat, "native", **kw, **extra)
+        for key in Q8.KEYS:
+            for i, (a, b) in enumerate(zip(tri[key], nat[key])):
+                assert SL.bits_equal(a, b), f"{op} step {k}: {key}[{i}] differs"
+    assert torch.isnan(tri["absmaxs"][big]).any()

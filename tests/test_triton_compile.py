@@ -90,7 +90,8 @@ def test_every_launch_compiles(compiled, arch):
     assert report["errors"] == []
     names = {k["kernel"] for k in report["kernels"]}
     assert names == {"_adam_kernel", "_adam8bit_kernel", "_sgd_kernel", "_lion_kernel",
-                     "_check_kernel", "_update_scale_kernel"}
+                     "_sgd8bit_kernel", "_lion8bit_kernel", "_check_kernel",
+                     "_update_scale_kernel"}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -100,16 +101,20 @@ def test_specializations_cover_the_options(compiled, arch):
     q8 = _kernels(report, "_adam8bit_kernel")
     sgd = _kernels(report, "_sgd_kernel")
     lion = _kernels(report, "_lion_kernel")
+    sgd8 = _kernels(report, "_sgd8bit_kernel")
+    lion8 = _kernels(report, "_lion8bit_kernel")
     scalars = ("MAXIMIZE", "HAS_LR", "HAS_SCALE", "HAS_FOUND", "HAS_NORM")
     for ks, flags in ((adam, ("AMSGRAD", "DECOUPLED") + scalars), (q8, ("DECOUPLED",) + scalars),
-                      (sgd, ("MOMENTUM", "NESTEROV") + scalars), (lion, scalars)):
+                      (sgd, ("MOMENTUM", "NESTEROV") + scalars), (lion, scalars),
+                      (sgd8, ("NESTEROV",) + scalars), (lion8, scalars)):
         assert {(k["constexprs"]["DT"], k["constexprs"]["MODE"]) for k in ks} == MODE_PAIRS
         for flag in flags:
             assert _values(ks, flag) == {False, True}, flag
         assert _values(ks, "n") == {"i32", "i64"}  # tensors past 2^31 elements
-    for ks in (adam, sgd, lion):
+    for ks in (adam, sgd, lion, sgd8, lion8):
         assert _values(ks, "seed") == {"i32", "i64", "u64"}
-    assert _values(q8, "BLOCK") == {64, 128, 256, 512, 1024, 2048, 4096}
+    for ks in (q8, sgd8, lion8):
+        assert _values(ks, "BLOCK") == {64, 128, 256, 512, 1024, 2048, 4096}
     check = _kernels(report, "_check_kernel")
     assert {(k["constexprs"]["DT"], k["constexprs"]["WRITE"], k["constexprs"]["NORM"])
             for k in check} == {(d, w, n) for d in (0, 1, 2) for w in (False, True)

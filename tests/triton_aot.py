@@ -1,5 +1,6 @@
-"""Compile every Triton kernel specialization that mpfused's optimizers and scaler launch, ahead of
-time for a CUDA target, on a machine without a GPU (run by tests/test_triton_compile.py).
+"""Compile every Triton kernel specialization that mpfused's optimizers and scaler launch (and the
+8-bit SGD / Lion ops, which no optimizer class launches yet), ahead of time for a CUDA target, on
+a machine without a GPU (run by tests/test_triton_compile.py).
 
 The rest of the suite runs the Triton kernels under TRITON_INTERPRET=1, which never lowers them:
 a kernel the interpreter accepts can still fail to compile, or compile to code that differs from
@@ -193,6 +194,52 @@ def drive_lion():
     _drive_class(mpfused.Lion, ("maximize", "lr_tensor", "scaler", "clip"))
 
 
+def _drive_8bit_op(fn, flags, options):
+    """A one-state 8-bit op (no optimizer class launches it yet), called directly: every (param
+    dtype, master mode) kernel with all options off and all on, each option alone (fp32 params),
+    every block size, and the stochastic-rounding seed as i64 and u64. options(on): the op's own
+    kwargs for the options in `on`."""
+    from mpfused import quant_maps
+
+    def step(dtypes, master, on, block=256, seed=0):
+        params = [torch.randn(SIZE).to(dt) for dt in dtypes]
+        masters = ([p.float() if master == 1 else torch.zeros(SIZE, dtype=torch.int16)
+                    for p in params] if master in (1, 2) else [])
+        fn(params, [torch.randn_like(p) for p in params],
+           [torch.zeros(SIZE, dtype=torch.uint8) for _ in params],
+           [torch.ones(-(-SIZE // block)) for _ in params], masters,
+           [torch.zeros(1) for _ in params], quant_maps.signed_map(), block, lr=1e-3,
+           lr_tensor=torch.tensor(1e-3) if "lr_tensor" in on else None, weight_decay=0.1,
+           maximize="maximize" in on, master_mode=master,
+           grad_scale=torch.ones(1) if "scaler" in on else None,
+           found_inf=torch.zeros(1) if "scaler" in on else None,
+           norm_sq=torch.ones(1) if "clip" in on else None,
+           max_grad_norm=1.0 if "clip" in on else 0.0, seed=seed, **options(on))
+
+    for master in (1, 3, 2):  # an fp32 master, none (stochastic rounding for bf16), remainder
+        dtypes = [torch.bfloat16] if master == 2 else ALL_DTYPES  # bf16 only has one
+        step(dtypes, master, ())
+        step(dtypes, master, flags)
+    for flag in flags:
+        step([torch.float32], 1, (flag,))
+    for block in (64, 128, 512, 1024, 2048, 4096):
+        step([torch.float32], 1, (), block)
+    for seed in (2**40, 2**64 - 5):
+        step([torch.bfloat16], 3, (), seed=seed)
+
+
+def drive_sgd8bit():
+    from mpfused.triton_kernels.sgd8bit import sgd8bit_step_
+    _drive_8bit_op(sgd8bit_step_, ("nesterov", "maximize", "lr_tensor", "scaler", "clip"),
+                   lambda on: dict(momentum=0.9, dampening=0.0, nesterov="nesterov" in on))
+
+
+def drive_lion8bit():
+    from mpfused.triton_kernels.lion8bit import lion8bit_step_
+    _drive_8bit_op(lion8bit_step_, ("maximize", "lr_tensor", "scaler", "clip"),
+                   lambda on: dict(beta1=0.9, beta2=0.99))
+
+
 def drive_scaler():
     # through the public API: unscale_ (the writing pass) + clip_grad_norm_ + update; torch and
     # mpfused refuse unscale_ on fp16 grads
@@ -217,7 +264,7 @@ def drive_64bit_sizes():
     found_inf: the step counters' device-side increment by it has no meta kernel."""
     from unittest import mock
 
-    from mpfused.triton_kernels import adam8bit
+    from mpfused.triton_kernels import _quant8, adam8bit
     from mpfused.triton_kernels.adam import adam_step_
     from mpfused.triton_kernels.amp import unscale_grads_
     from mpfused.triton_kernels.lion import lion_step_
@@ -245,6 +292,16 @@ def drive_64bit_sizes():
                                 [big(size=blocks)], [big(size=blocks)], [big()], [one()],
                                 big(size=256), big(size=256), 256, 1e-3, one(), 0.9, 0.999, 1e-8,
                                 0.1, False, True, 1, one(), None, one(), 1.0)
+    with mock.patch.object(_quant8, "thresholds", lambda qmap: big(size=255)), \
+            mock.patch.object(_quant8, "map_zero_code", lambda qmap: 127):
+        from mpfused.triton_kernels.lion8bit import lion8bit_step_
+        from mpfused.triton_kernels.sgd8bit import sgd8bit_step_
+        sgd8bit_step_([big(bf16)], [big(bf16)], [big(torch.uint8)], [big(size=blocks)], [big()],
+                      [one()], big(size=256), 256, 1e-3, one(), 0.9, 0.0, 0.1, True, False, 1,
+                      one(), None, one(), 1.0)
+        lion8bit_step_([big(bf16)], [big(bf16)], [big(torch.uint8)], [big(size=blocks)], [big()],
+                       [one()], big(size=256), 256, 1e-4, one(), 0.9, 0.99, 0.1, False, 1, one(),
+                       None, one(), 1.0)
 
 
 def _step(opt, with_scaler: bool):
@@ -271,8 +328,8 @@ def main():
         usable = registry.triton_usable
         registry.triton_usable = lambda device_type: device_type == "cpu" or usable(device_type)
         errors = []
-        for drive in (drive_adam, drive_adam8bit, drive_sgd, drive_lion, drive_scaler,
-                      drive_64bit_sizes):
+        for drive in (drive_adam, drive_adam8bit, drive_sgd, drive_lion, drive_sgd8bit,
+                      drive_lion8bit, drive_scaler, drive_64bit_sizes):
             try:
                 drive()
             except Exception as e:  # report, and let the other drivers run

@@ -42,6 +42,21 @@ def lion_element(w, g, m, lr, decay_mult, beta1, one_m_b1, beta2, one_m_b2):
     return w, m
 
 
+@triton.jit
+def lion_scalars(lr_ptr, scale_ptr, norm_ptr, lr_bits, beta1_bits, beta2_bits, wd_bits, mgn_bits,
+                 HAS_LR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_NORM: tl.constexpr,
+                 MAXIMIZE: tl.constexpr):
+    """lion_math.h::lion_scalars, per tensor, all fp32: (lr, 1 - lr * weight_decay, beta1,
+    1 - beta1, beta2, 1 - beta2, grad multiplier)."""
+    lr64 = read_lr(lr_ptr, lr_bits, HAS_LR)
+    b1 = f64_from_bits(beta1_bits)
+    b2 = f64_from_bits(beta2_bits)
+    decay_mult = (1.0 - lr64 * f64_from_bits(wd_bits)).to(tl.float32)
+    gm = grad_multiplier(scale_ptr, norm_ptr, mgn_bits, HAS_SCALE, HAS_NORM, MAXIMIZE)
+    return (lr64.to(tl.float32), decay_mult, b1.to(tl.float32), (1.0 - b1).to(tl.float32),
+            b2.to(tl.float32), (1.0 - b2).to(tl.float32), gm)
+
+
 @triton.jit(do_not_specialize=["lr_bits", "beta1_bits", "beta2_bits", "wd_bits", "mgn_bits",
                                "seed", "stream"])
 def _lion_kernel(p_ptr, g_ptr, m_ptr, master_ptr, step_ptr, lr_ptr, scale_ptr, found_ptr,
@@ -53,13 +68,10 @@ def _lion_kernel(p_ptr, g_ptr, m_ptr, master_ptr, step_ptr, lr_ptr, scale_ptr, f
         if tl.load(found_ptr) > 0.0:  # skipped step: nothing is touched
             return
 
-    # ---- per-tensor scalars (lion_math.h::lion_scalars) ---------------------------------------
-    lr64 = read_lr(lr_ptr, lr_bits, HAS_LR)
-    b1 = f64_from_bits(beta1_bits)
-    b2 = f64_from_bits(beta2_bits)
-    lr = lr64.to(tl.float32)
-    decay_mult = (1.0 - lr64 * f64_from_bits(wd_bits)).to(tl.float32)
-    gm = grad_multiplier(scale_ptr, norm_ptr, mgn_bits, HAS_SCALE, HAS_NORM, MAXIMIZE)
+    # ---- per-tensor scalars ---------------------------------------------------------------------
+    lr, decay_mult, b1, one_m_b1, b2, one_m_b2, gm = lion_scalars(
+        lr_ptr, scale_ptr, norm_ptr, lr_bits, beta1_bits, beta2_bits, wd_bits, mgn_bits, HAS_LR,
+        HAS_SCALE, HAS_NORM, MAXIMIZE)
 
     # ---- elements ------------------------------------------------------------------------------
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit indexing
@@ -67,8 +79,7 @@ def _lion_kernel(p_ptr, g_ptr, m_ptr, master_ptr, step_ptr, lr_ptr, scale_ptr, f
     w = load_weight(p_ptr, master_ptr, offs, mask, DT, MODE)
     g = load_f32(g_ptr, offs, mask, DT) * gm
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-    w, m = lion_element(w, g, m, lr, decay_mult, b1.to(tl.float32), (1.0 - b1).to(tl.float32),
-                        b2.to(tl.float32), (1.0 - b2).to(tl.float32))
+    w, m = lion_element(w, g, m, lr, decay_mult, b1, one_m_b1, b2, one_m_b2)
     tl.store(m_ptr + offs, m, mask=mask)
     ti = step_number(step_ptr).to(tl.int64)  # the stochastic-rounding draw of step t
     store_weight(w, p_ptr, master_ptr, offs, mask, seed, ti, stream, DT, MODE)

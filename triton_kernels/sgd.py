@@ -42,6 +42,21 @@ def sgd_element(w, g, buf, lr, wd, momentum, one_m_damp, first, MOMENTUM: tl.con
     return w - lr * g, buf
 
 
+@triton.jit
+def sgd_scalars(step_ptr, lr_ptr, scale_ptr, norm_ptr, lr_bits, momentum_bits, dampening_bits,
+                wd_bits, mgn_bits, HAS_LR: tl.constexpr, HAS_SCALE: tl.constexpr,
+                HAS_NORM: tl.constexpr, MAXIMIZE: tl.constexpr):
+    """sgd_math.h::sgd_scalars, per tensor: (t, lr, wd, momentum, 1 - dampening, grad
+    multiplier); t in fp64, the rest fp32."""
+    t = step_number(step_ptr)
+    lr = read_lr(lr_ptr, lr_bits, HAS_LR).to(tl.float32)
+    wd = f64_from_bits(wd_bits).to(tl.float32)
+    momentum = f64_from_bits(momentum_bits).to(tl.float32)
+    one_m_damp = (1.0 - f64_from_bits(dampening_bits)).to(tl.float32)
+    gm = grad_multiplier(scale_ptr, norm_ptr, mgn_bits, HAS_SCALE, HAS_NORM, MAXIMIZE)
+    return t, lr, wd, momentum, one_m_damp, gm
+
+
 @triton.jit(do_not_specialize=["lr_bits", "momentum_bits", "dampening_bits", "wd_bits",
                                "mgn_bits", "seed", "stream"])
 def _sgd_kernel(p_ptr, g_ptr, buf_ptr, master_ptr, step_ptr, lr_ptr, scale_ptr, found_ptr,
@@ -54,13 +69,10 @@ def _sgd_kernel(p_ptr, g_ptr, buf_ptr, master_ptr, step_ptr, lr_ptr, scale_ptr, 
         if tl.load(found_ptr) > 0.0:  # skipped step: nothing is touched
             return
 
-    # ---- per-tensor scalars (sgd_math.h::sgd_scalars) -----------------------------------------
-    t = step_number(step_ptr)
-    lr = read_lr(lr_ptr, lr_bits, HAS_LR).to(tl.float32)
-    wd = f64_from_bits(wd_bits).to(tl.float32)
-    momentum = f64_from_bits(momentum_bits).to(tl.float32)
-    one_m_damp = (1.0 - f64_from_bits(dampening_bits)).to(tl.float32)
-    gm = grad_multiplier(scale_ptr, norm_ptr, mgn_bits, HAS_SCALE, HAS_NORM, MAXIMIZE)
+    # ---- per-tensor scalars ---------------------------------------------------------------------
+    t, lr, wd, momentum, one_m_damp, gm = sgd_scalars(
+        step_ptr, lr_ptr, scale_ptr, norm_ptr, lr_bits, momentum_bits, dampening_bits, wd_bits,
+        mgn_bits, HAS_LR, HAS_SCALE, HAS_NORM, MAXIMIZE)
     first = t <= 1.0
 
     # ---- elements ------------------------------------------------------------------------------

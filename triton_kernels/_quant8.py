@@ -1,0 +1,170 @@
+"""Block-wise 8-bit optimizer state in Triton (csrc/include/mpfused/quant8_math.h transcribed),
+shared by the 8-bit kernels: one program per quantization block dequantizes its state with the
+block's old absmax, the kernel updates it in fp32, and store_quantized writes the new absmax and
+codes. Host side: the block sizes, the argument checks, the per-tensor launch loop, and the whole
+host side of the one-state steps (SGD, Lion).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mpfused.quant_maps import thresholds, zero_code as map_zero_code
+from mpfused.reference.adam import sr_streams
+from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, f64_bits, i64_bits
+from mpfused.triton_kernels._elementwise import (M64, advance_steps, kernel_mode, launch_options,
+                                                 scalar_operands)
+
+MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC = 0, 1, 2, 3
+
+
+@triton.jit
+def _encode(thr_ptr, x):
+    # quant8_encode: code = #{i : x > thr[i]} by an 8-step binary search.
+    c = tl.where(x > tl.load(thr_ptr + 127), 128, 0)
+    c += tl.where(x > tl.load(thr_ptr + c + 63), 64, 0)
+    c += tl.where(x > tl.load(thr_ptr + c + 31), 32, 0)
+    c += tl.where(x > tl.load(thr_ptr + c + 15), 16, 0)
+    c += tl.where(x > tl.load(thr_ptr + c + 7), 8, 0)
+    c += tl.where(x > tl.load(thr_ptr + c + 3), 4, 0)
+    c += tl.where(x > tl.load(thr_ptr + c + 1), 2, 0)
+    c += tl.where(x > tl.load(thr_ptr + c), 1, 0)
+    return c
+
+
+@triton.jit
+def dequantize(c_ptr, map_ptr, a_ptr, offs, mask):
+    """quant8_decode of this program's block: map[code] * the block's (old) absmax."""
+    c = tl.load(c_ptr + offs, mask=mask, other=0).to(tl.int32)
+    return tl.load(map_ptr + c) * tl.load(a_ptr + tl.program_id(0))
+
+
+@triton.jit
+def store_quantized(x, c_ptr, a_ptr, thr_ptr, offs, mask, zero_code,
+                    KEEP_NEGATIVE: tl.constexpr):
+    """The new absmax of this program's block of the updated state x, then x's codes
+    (KEEP_NEGATIVE: quant8_keep_negative, bitsandbytes' sign rule for a signed state)."""
+    # max over the bit patterns of |x| (as the CPU and CUDA kernels): ordered as the floats, and a
+    # NaN moment (above inf) gives a NaN absmax; tl.max on floats would skip the NaN
+    am = tl.max(tl.where(mask, tl.abs(x), 0.0).to(tl.uint32, bitcast=True), axis=0)
+    am = am.to(tl.float32, bitcast=True)
+    tl.store(a_ptr + tl.program_id(0), am)
+    one = tl.full((), 1.0, tl.float32)
+    r = tl.div_rn(one, am)  # quant8_inv_scale: saturates at FLT_MAX
+    r = tl.where(r < 3.4028234663852886e38, r, 3.4028234663852886e38)
+    q = _encode(thr_ptr, x * r)
+    if KEEP_NEGATIVE:
+        neg = (x.to(tl.uint32, bitcast=True) >> 31) != 0
+        q = tl.where(neg & (q == zero_code), q - 1, q)
+    tl.store(c_ptr + offs, q.to(tl.uint8), mask=mask)
+
+
+# ---- host side --------------------------------------------------------------------------------
+def check_block_size(block_size):
+    if block_size not in (64, 128, 256, 512, 1024, 2048, 4096):
+        raise ValueError(f"mpfused: block_size must be a power of two in [64, 4096], got {block_size}")
+
+
+def check_one_device(dev, lists, singles):
+    """Every tensor of `lists` ({name: tensors}) and `singles` ((name, tensor or None) pairs) on
+    `dev`."""
+    for name, t in [(f"{k}[{i}]", t) for k, ts in lists.items() for i, t in enumerate(ts)] + list(
+            singles):
+        if t is not None and t.device != dev:
+            raise RuntimeError(f"mpfused: {name} is on {t.device}, params[0] on {dev}: one device "
+                               "per call")
+
+
+def for_each_quantized(params, grads, masters, master_mode, launch):
+    """launch(i, mode, param, grad, master or None) for each non-empty param, the operands
+    contiguous (staged copies are written back after the launch)."""
+    for i, p in enumerate(params):
+        if p.numel() == 0:
+            continue
+        mode = kernel_mode(p.dtype, int(master_mode))
+        w = masters[i] if mode in (MASTER_FP32, MASTER_REMAINDER) else None
+        # block layout = logical order: every operand contiguous (8-bit state always is)
+        ops = [t if t is None or t.is_contiguous() else t.contiguous() for t in (p, grads[i], w)]
+        pk, gk, wk = ops
+        launch(i, mode, pk, gk, wk)
+        if pk is not p:
+            p.copy_(pk)  # a skipped step wrote nothing: the copy-back restores the same
+        if wk is not w:
+            w.copy_(wk)
+
+
+def check_one_state(op, params, grads, state_name, codes, absmaxs, masters, steps, block_size,
+                    master_mode):
+    """The native bindings' checks of a one-state 8-bit step: lengths, dtypes, the codes' and
+    absmax's sizes (a kernel indexes them by the param's blocks), masters, step counters."""
+    n = len(params)
+    for name, lst in (("grads", grads), (state_name, codes), ("absmaxs", absmaxs),
+                      ("steps", steps)):
+        if len(lst) != n:
+            raise RuntimeError(f"mpfused: {op}: {name} has {len(lst)} tensors, params {n}")
+    check_block_size(block_size)
+    want_master = {MASTER_FP32: torch.float32, MASTER_REMAINDER: torch.int16}.get(int(master_mode))
+    for i, p in enumerate(params):
+        if p.dtype not in DTYPE_CODE:
+            raise RuntimeError(f"mpfused: params[{i}] must be float32, float16 or bfloat16, got "
+                               f"{p.dtype}")
+        if grads[i].dtype != p.dtype or grads[i].numel() != p.numel():
+            raise RuntimeError(f"mpfused: grads[{i}] must have its param's dtype {p.dtype} and "
+                               f"size {p.numel()}, got {grads[i].dtype} of {grads[i].numel()}")
+        if codes[i].dtype != torch.uint8 or codes[i].numel() != p.numel() or not \
+                codes[i].is_contiguous():
+            raise RuntimeError(f"mpfused: {state_name}[{i}] must be contiguous uint8 codes, one "
+                               f"per element of params[{i}]")
+        blocks = triton.cdiv(p.numel(), block_size)
+        a = absmaxs[i]
+        if a.dtype != torch.float32 or a.numel() != blocks or not a.is_contiguous():
+            raise RuntimeError(f"mpfused: absmaxs[{i}] must be contiguous float32 with "
+                               f"ceil(numel / block_size) = {blocks} entries, got {a.dtype} of "
+                               f"{a.numel()}")
+        if p.numel() and kernel_mode(p.dtype, int(master_mode)) in (MASTER_FP32, MASTER_REMAINDER):
+            if len(masters) != n:
+                raise RuntimeError(f"mpfused: {op}: master_mode {master_mode} needs one master "
+                                   f"per param")
+            if masters[i].dtype != want_master or masters[i].numel() != p.numel():
+                raise RuntimeError(f"mpfused: masters[{i}] must be {want_master} of params[{i}]'s "
+                                   "size")
+        if steps[i].numel() != 1 or steps[i].dtype != torch.float32:
+            raise RuntimeError(f"mpfused: steps[{i}] must be a 1-element float32 tensor")
+
+
+def one_state_step(kernel, op, state_name, params, grads, codes, absmaxs, masters, steps, qmap,
+                   block_size, master_mode, hyper, lr_tensor, grad_scale, found_inf, norm_sq,
+                   max_grad_norm, seed, param_ids, elem_offsets, **constexprs):
+    """Host side of a one-state 8-bit step (SGD, Lion): checks, one launch per non-empty tensor
+    of kernel(param, grad, codes, absmax, master, map, thresholds, step, lr, grad_scale,
+    found_inf, norm_sq, n, *hyper, max_grad_norm, zero_code, seed, stream; DT, MODE, HAS_*,
+    **constexprs, BLOCK), then the step counters (on device, by a taken step only). `hyper`: the
+    op's float arguments, passed as fp64 bit patterns."""
+    if not params:
+        return
+    check_one_state(op, params, grads, state_name, codes, absmaxs, masters, steps, block_size,
+                    master_mode)
+    dev = params[0].device
+    check_one_device(dev, dict(params=params, grads=grads, **{state_name: codes},
+                               absmaxs=absmaxs, masters=masters, steps=steps),
+                     [("qmap", qmap), ("lr_tensor", lr_tensor), ("grad_scale", grad_scale),
+                      ("found_inf", found_inf), ("norm_sq", norm_sq)])
+    thr, zc = thresholds(qmap), map_zero_code(qmap)
+    if zc <= 0:  # the sign rule steps one code below +0
+        raise RuntimeError("mpfused: qmap must hold +0.0 above its lowest entry")
+    streams = sr_streams(len(params), param_ids, elem_offsets)
+    hyper_bits = [f64_bits(x) for x in tuple(hyper) + (max_grad_norm,)]
+    dummy = torch.zeros(1, dtype=torch.float32, device=dev)  # absent pointers (never read)
+    scalars, has = scalar_operands(dummy, lr_tensor, grad_scale, found_inf, norm_sq,
+                                   max_grad_norm)
+
+    def launch(i, mode, pk, gk, wk):
+        kernel[(triton.cdiv(pk.numel(), block_size),)](
+            as_kernel_arg(pk), as_kernel_arg(gk), codes[i], absmaxs[i],
+            wk if wk is not None else dummy, qmap, thr, steps[i], *scalars, pk.numel(),
+            *hyper_bits, zc, int(seed) & M64, i64_bits(streams[i]), DT=DTYPE_CODE[pk.dtype],
+            MODE=mode, **has, **constexprs, **launch_options(block_size))
+
+    for_each_quantized(params, grads, masters, master_mode, launch)
+    advance_steps(steps, found_inf)

@@ -1,0 +1,66 @@
+"""Triton SGD step with a block-wise 8-bit momentum buffer (the op mpfused::sgd8bit_step_).
+
+One program per quantization block, one launch per non-empty tensor (host side:
+_quant8.one_state_step). Per block: the buffer is dequantized with the block's old absmax, updated
+by the 32-bit kernel's math (sgd.py: sgd_scalars, then sgd_element in fp32, no FMA contraction),
+and requantized: new absmax = max |buffer| of the block (NaN gives a NaN absmax), nearest code of
+the signed map with bitsandbytes' sign rule (_quant8.store_quantized, as the Adam 8-bit kernel's
+first moment). A tensor whose step counter is 0 takes its first step: its buffer becomes the
+gradient itself (the old codes are not used), as the 32-bit op.
+
+Nothing is read on the host (step counters, found_inf, grad_scale, norm_sq, a tensor lr), and a
+skipped step (found_inf > 0) touches nothing, step counters included.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mpfused.triton_kernels._bits import load_f32
+from mpfused.triton_kernels._device import on_tensors_device
+from mpfused.triton_kernels._master import load_weight, store_weight
+from mpfused.triton_kernels._quant8 import dequantize, one_state_step, store_quantized
+from mpfused.triton_kernels.sgd import sgd_element, sgd_scalars
+
+
+@triton.jit(do_not_specialize=["lr_bits", "momentum_bits", "dampening_bits", "wd_bits",
+                               "mgn_bits", "zero_code", "seed", "stream"])
+def _sgd8bit_kernel(p_ptr, g_ptr, c_ptr, a_ptr, w_ptr, map_ptr, thr_ptr, step_ptr, lr_ptr,
+                    scale_ptr, found_ptr, norm_ptr, n, lr_bits, momentum_bits, dampening_bits,
+                    wd_bits, mgn_bits, zero_code, seed, stream, DT: tl.constexpr,
+                    MODE: tl.constexpr, HAS_LR: tl.constexpr, HAS_SCALE: tl.constexpr,
+                    HAS_FOUND: tl.constexpr, HAS_NORM: tl.constexpr, NESTEROV: tl.constexpr,
+                    MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
+    if HAS_FOUND:
+        if tl.load(found_ptr) > 0.0:  # skipped step: nothing is touched
+            return
+
+    # ---- per-tensor scalars ---------------------------------------------------------------------
+    t, lr, wd, momentum, one_m_damp, gm = sgd_scalars(
+        step_ptr, lr_ptr, scale_ptr, norm_ptr, lr_bits, momentum_bits, dampening_bits, wd_bits,
+        mgn_bits, HAS_LR, HAS_SCALE, HAS_NORM, MAXIMIZE)
+    first = t <= 1.0
+
+    # ---- the block: dequantize, update in fp32, store the param, requantize --------------------
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit indexing
+    mask = offs < n
+    w = load_weight(p_ptr, w_ptr, offs, mask, DT, MODE)
+    g = load_f32(g_ptr, offs, mask, DT) * gm
+    buf = dequantize(c_ptr, map_ptr, a_ptr, offs, mask)
+    w, buf = sgd_element(w, g, buf, lr, wd, momentum, one_m_damp, first, True, NESTEROV)
+    store_weight(w, p_ptr, w_ptr, offs, mask, seed, t.to(tl.int64), stream, DT, MODE)
+    store_quantized(buf, c_ptr, a_ptr, thr_ptr, offs, mask, zero_code, True)
+
+
+@on_tensors_device
+def sgd8bit_step_(params, grads, momentum_buffers, absmaxs, masters, steps, qmap, block_size, lr,
+                  lr_tensor, momentum, dampening, weight_decay, nesterov, maximize, master_mode,
+                  grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0, seed=0,
+                  param_ids=(), elem_offsets=()):
+    if not momentum > 0:  # the 8-bit state is the buffer: plain SGD has none (bitsandbytes too)
+        raise RuntimeError(f"mpfused: sgd8bit_step_: momentum must be > 0, got {momentum}")
+    one_state_step(_sgd8bit_kernel, "sgd8bit_step_", "momentum_buffers", params, grads,
+                   momentum_buffers, absmaxs, masters, steps, qmap, block_size, master_mode,
+                   (lr, momentum, dampening, weight_decay), lr_tensor, grad_scale, found_inf,
+                   norm_sq, max_grad_norm, seed, param_ids, elem_offsets,
+                   NESTEROV=bool(nesterov), MAXIMIZE=bool(maximize))
