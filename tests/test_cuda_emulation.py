@@ -40,10 +40,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import STRICT, deadline_s, skip_or_fail  # noqa: F401
+
 ROOT = Path(__file__).resolve().parents[1]
 EMU = ROOT / "tests" / "cuda_emulation"
 CXX = shutil.which("g++") or shutil.which("c++")
-DEADLINE_S = 300.0
+DEADLINE_S = deadline_s(300.0)
 CHECKERS = {
     "memcheck": ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
                  "-fno-omit-frame-pointer"],
@@ -175,10 +177,10 @@ def programs(tmp_path_factory):
 
 def _check(programs, checker: str, name: str) -> str:
     if checker not in programs["_checkers"]:
-        pytest.skip(f"the compiler has no working {' '.join(CHECKERS[checker])} here")
+        skip_or_fail(f"the compiler has no working {' '.join(CHECKERS[checker])} here")
     rc, out = programs[(checker, name)]
     if rc is None:
-        pytest.skip(out)
+        skip_or_fail(out)
     assert rc == 0, f"seed {programs['_seed']}\n{out}"
     assert "ok" in out.splitlines(), out
     return out
@@ -195,10 +197,10 @@ def test_emulator_reports_what_it_claims_to(programs, checker):
 def test_racecheck_reports_a_missing_barrier(programs, race):
     # race-shuffle: a shuffle between a write and a read of shared memory orders nothing.
     if "racecheck" not in programs["_checkers"]:
-        pytest.skip("the compiler has no working -fsanitize=thread here")
+        skip_or_fail("the compiler has no working -fsanitize=thread here")
     rc, out = programs[("racecheck", f"emulator_selftest {race}")]
     if rc is None:
-        pytest.skip(out)
+        skip_or_fail(out)
     assert rc != 0 and "WARNING: ThreadSanitizer: data race" in out, out
     summary = [line for line in out.splitlines() if line.startswith("SUMMARY: ThreadSanitizer")]
     # "... in broadcast" with line tables, "... in (anonymous namespace)::broadcast(int*, bool)"
