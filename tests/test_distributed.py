@@ -55,8 +55,12 @@ CONFIGS = {
     "fsdp_8bit_clip": ("fsdp", (2,), "float32", "AdamW8bit", True, 0.05),
     "hsdp_2x1_clip": ("fsdp", (2, 1), "float32", "AdamW", True, 0.05),
     "fsdp_1x2_clip": ("fsdp", (1, 2), "float32", "AdamW", True, 0.05),
+    # the other optimizer families on the same engine (issue 22)
+    "ddp_sgd_bf16_clip": ("ddp", (2,), "bfloat16", "SGD", True, 0.05),
+    "fsdp_sgd_fp32_clip": ("fsdp", (2,), "float32", "SGD", True, 0.05),
+    "fsdp_lion_bf16": ("fsdp", (2,), "bfloat16", "Lion", True, None),
 }
-CKPT_CONFIGS = ["fsdp_bf16", "fsdp_8bit"]
+CKPT_CONFIGS = ["fsdp_bf16", "fsdp_8bit", "fsdp_lion_bf16"]
 CKPT_PARAMS = CKPT_CONFIGS
 # fsdp_8bit with every param 8-bit (min_8bit_size=0): fc3.weight (4 + 3 rows of 48 elements) and
 # the biases have shards that are not block-aligned, so a checkpoint re-blocks their state into
@@ -121,6 +125,11 @@ def make_optim(params, opt: str, max_grad_norm, **kw):
     if opt == "AdamW8bit":
         return mpfused.AdamW8bit(params, lr=1e-2, weight_decay=0.1, max_grad_norm=max_grad_norm,
                                  **kw)
+    if opt == "SGD":
+        return mpfused.SGD(params, lr=1e-2, momentum=0.9, weight_decay=0.1,
+                           max_grad_norm=max_grad_norm)
+    if opt == "Lion":
+        return mpfused.Lion(params, lr=1e-3, weight_decay=0.1, max_grad_norm=max_grad_norm)
     return mpfused.AdamW(params, lr=1e-2, weight_decay=0.1, max_grad_norm=max_grad_norm)
 
 
