@@ -87,10 +87,9 @@ from mpfused.distributed_8bit import _like_param
 from mpfused.ops import adam8bit as adam8bit_ops
 from mpfused.ops.bound import BoundOp
 from mpfused.optim._buckets import Bucket, GroupPlan, build_buckets
-from mpfused.optim._checkpoint import (_BNB_BLOCK, _TORCH_GROUP_KEYS, BLOCK_SIZES,  # noqa: F401
-                                       FORMAT_VERSION, _add_format, _check_and_stash_8bit,
-                                       _check_group_8bit, _restore_8bit, _saved_8bit,
-                                       _state_block_size, is_8bit_state)
+from mpfused.optim._checkpoint_8bit import (  # noqa: F401
+    _BNB_BLOCK, _TORCH_GROUP_KEYS, BLOCK_SIZES, FORMAT_VERSION, _add_format, _check_and_stash_8bit,
+    _check_group_8bit, _restore_8bit, _saved_8bit, _state_block_size, is_8bit_state)
 from mpfused.optim._overrides import _kept_32bit_ids, _overrides_epoch, keep_32bit_state
 from mpfused.optim.adamw import AdamW, _local
 from mpfused.quant_maps import (SIGNED_ZERO_CODE, dequantize_blockwise, num_blocks,
