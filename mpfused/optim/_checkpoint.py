@@ -41,7 +41,7 @@ def _allowed_state_dtypes(optimizer, key):
     """None: any floating dtype (cast to fp32 on load); else the exact dtypes accepted."""
     if key == "master_remainder":
         return (torch.int16,)
-    if key in ("exp_avg", "exp_avg_sq") and getattr(optimizer, "_quantized_moments", False):
+    if any(key == k for k, _ in optimizer._QUANT_STATES):
         return (torch.uint8, torch.float32, torch.float16, torch.bfloat16)  # codes or 32-bit
     return None
 
@@ -55,18 +55,18 @@ def _saved_pairs(optimizer, saved_groups):
 
 def _stash_fp32_state(optimizer, state_dict):
     saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
-    quantized = getattr(optimizer, "_quantized_moments", False)
+    quantized = bool(optimizer._QUANT_STATES)
     for pid, p, _ in _saved_pairs(optimizer, saved_groups):
         local = _local(p)
         saved = saved_state.get(pid, {})
         if not quantized and (any(k in saved for k in _8BIT_SAVED_KEYS) or any(
                 isinstance(saved.get(k), torch.Tensor) and saved[k].dtype == torch.uint8
-                for k in ("exp_avg", "exp_avg_sq"))):
+                for k in PER_ELEMENT_KEYS)):
             raise ValueError(
-                f"loaded state_dict: state[{pid}] holds 8-bit optimizer state (an "
-                f"mpfused.AdamW8bit or bitsandbytes checkpoint); mpfused.{type(optimizer).__name__} "
-                "keeps fp32 moments. Load it into mpfused.AdamW8bit and use its "
-                "to_torch_state_dict(), which dequantizes the moments")
+                f"loaded state_dict: state[{pid}] holds 8-bit optimizer state (an mpfused 8-bit "
+                f"or bitsandbytes checkpoint); mpfused.{type(optimizer).__name__} keeps fp32 "
+                "state. Load it into the mpfused 8-bit optimizer (AdamW8bit, SGD8bit, Lion8bit) "
+                "and use its to_torch_state_dict(), which dequantizes the state")
         for key in PER_ELEMENT_KEYS:
             value = saved_state.get(pid, {}).get(key)
             # DCP + FSDP2 hands DTensor state (global shape): compare its local shard.
