@@ -5,6 +5,14 @@ from __future__ import annotations
 from mpfused.reference.adam import param_updates, write_master
 
 
+def momentum_update(g, buf, t, momentum, dampening, nesterov):
+    """torch.optim.SGD's momentum in float64 (sgd_math.h::sgd_element), shared with the 8-bit
+    reference: (the direction the param moves against, the new buffer). On the first step (t = 1)
+    the buffer becomes g itself and the old one (``buf``, any dtype) is not read."""
+    buf = g if t <= 1 else momentum * buf.double() + (1 - dampening) * g
+    return (g + momentum * buf if nesterov else buf), buf
+
+
 def sgd_step_(params, grads, momentum_buffers, masters, steps, lr, lr_tensor, momentum, dampening,
               weight_decay, nesterov, maximize, master_mode, grad_scale=None, found_inf=None,
               norm_sq=None, max_grad_norm=0.0, seed=0, param_ids=(), elem_offsets=()):
@@ -15,8 +23,7 @@ def sgd_step_(params, grads, momentum_buffers, masters, steps, lr, lr_tensor, mo
             params, grads, masters, steps, lr, lr_tensor, weight_decay, maximize, False,
             master_mode, grad_scale, found_inf, norm_sq, max_grad_norm, param_ids, elem_offsets):
         if momentum != 0:
-            buf = g if t <= 1 else momentum * momentum_buffers[i].double() + (1 - dampening) * g
+            g, buf = momentum_update(g, momentum_buffers[i], t, momentum, dampening, nesterov)
             momentum_buffers[i].copy_(buf)
-            g = g + momentum * buf if nesterov else buf
         w = w - lr * g
         write_master(p, master, mode, w.float(), seed, t, stream)

@@ -1,0 +1,98 @@
+// What every CPU kernel with block-wise 8-bit state shares: the per-map encoder cache, the per-ISA
+// builds and their selection, and the gather-free decode of the VBMI build.
+#pragma once
+#include <stdint.h>
+
+#include "mpfused/quant8_math.h"
+#include "parallel.h"
+
+// Per-ISA builds of the chunk kernel (AVX-512, AVX2+FMA, baseline), picked once at run time.
+// Not MPF_CPU_MULTIVERSION: target_clones clones get GCC's generic tuning, which never emits
+// hardware gathers and emulates the table lookups with scalar loads (about 2x slower here).
+#if defined(__x86_64__) && defined(__linux__) && defined(__GNUC__) && !defined(__clang__)
+#define MPF_8BIT_ISAS 1
+#define MPF_8BIT_V4 __attribute__((target("arch=x86-64-v4,tune=icelake-server,prefer-vector-width=512")))
+#define MPF_8BIT_V3 __attribute__((target("arch=x86-64-v3,tune=haswell")))
+// v4 + AVX512-VBMI (Ice Lake and later): decodes codes with in-register byte permutes.
+#define MPF_8BIT_VBMI __attribute__((target("arch=x86-64-v4,avx512vbmi,tune=icelake-server,prefer-vector-width=512")))
+#include <immintrin.h>
+#else
+#define MPF_8BIT_ISAS 0
+#endif
+
+namespace mpfused::cpu {
+
+constexpr int64_t kMaxBlock = 4096;
+constexpr int64_t kTile = 256;
+static_assert(kChunkSize % kMaxBlock == 0, "chunks must hold whole quantization blocks");
+
+// Encoding tables and thresholds per map, built once per distinct (map, sign rule) (about 2 ms)
+// and kept: a step only compares the 1 KB map with the cached ones.
+struct Encoder {
+  Quant8Lut lut;           // with the first moment's sign rule when zero_code >= 0
+  float thr[kQuantCodes];  // binary-search thresholds: the fallback when a LUT is not exact
+  // The map as four byte planes (plane k = byte k of every entry's bit pattern): the decode
+  // table of the VBMI path, 4 x 256 bytes = 16 zmm registers.
+  alignas(64) uint8_t planes[4][kQuantCodes];
+};
+
+const Encoder& encoder_for(const float* map, int32_t zero_code);
+
+#if MPF_8BIT_ISAS
+// The fastest build this CPU runs: 5 = v4 + VBMI, 4 = x86-64-v4, 3 = x86-64-v3, 0 = baseline.
+// MPFUSED_CPU_ISA=base|v3|v4|vbmi caps it (read once), so that tests can run every build on one
+// machine and compare them bit for bit.
+int isa_level();
+#endif
+
+namespace {  // per translation unit, as before the move (inlining decisions unchanged)
+
+#if MPF_8BIT_ISAS
+// Byte position 16L + 4q + r (lane L, slot r of output vector q) takes code 16q + 4L + r: the
+// order in which decode_tile_vbmi's per-lane interleave leaves the floats in order.
+struct DecodePerm {
+  alignas(64) uint8_t b[64];
+};
+constexpr DecodePerm make_decode_perm() {
+  DecodePerm p{};
+  for (int L = 0; L < 4; ++L)
+    for (int q = 0; q < 4; ++q)
+      for (int r = 0; r < 4; ++r) p.b[16 * L + 4 * q + r] = uint8_t(16 * q + 4 * L + r);
+  return p;
+}
+constexpr DecodePerm kDecodePerm = make_decode_perm();
+
+// out[j] = map[codes[j]] for j < n without gathers (bit-identical to quant8_decode's lookup):
+// for 64 codes at a time, each byte plane of the map is looked up with two 128-entry byte
+// permutes (vpermi2b) blended on the code's top bit, and the four planes are interleaved into
+// floats. The codes are first permuted so that the interleave (which works per 128-bit lane)
+// leaves the floats in order. Gathers cost one load per element; this costs none.
+[[maybe_unused]] MPF_8BIT_VBMI void decode_tile_vbmi(const uint8_t (*planes)[kQuantCodes],
+                                                     const float* map,
+                                                     const uint8_t* __restrict codes,
+                                                     float* __restrict out, int64_t n) {
+  __m512i t[4][4];
+  for (int k = 0; k < 4; ++k)
+    for (int q = 0; q < 4; ++q) t[k][q] = _mm512_load_si512(planes[k] + 64 * q);
+  const __m512i perm = _mm512_load_si512(kDecodePerm.b);
+  int64_t j = 0;
+  for (; j + 64 <= n; j += 64) {
+    const __m512i c = _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(codes + j));
+    const __mmask64 upper = _mm512_movepi8_mask(c);  // codes 128..255
+    __m512i b[4];
+    for (int k = 0; k < 4; ++k)
+      b[k] = _mm512_mask_blend_epi8(upper, _mm512_permutex2var_epi8(t[k][0], c, t[k][1]),
+                                    _mm512_permutex2var_epi8(t[k][2], c, t[k][3]));
+    const __m512i lo01 = _mm512_unpacklo_epi8(b[0], b[1]), hi01 = _mm512_unpackhi_epi8(b[0], b[1]);
+    const __m512i lo23 = _mm512_unpacklo_epi8(b[2], b[3]), hi23 = _mm512_unpackhi_epi8(b[2], b[3]);
+    _mm512_store_si512(out + j, _mm512_unpacklo_epi16(lo01, lo23));
+    _mm512_store_si512(out + j + 16, _mm512_unpackhi_epi16(lo01, lo23));
+    _mm512_store_si512(out + j + 32, _mm512_unpacklo_epi16(hi01, hi23));
+    _mm512_store_si512(out + j + 48, _mm512_unpackhi_epi16(hi01, hi23));
+  }
+  for (; j < n; ++j) out[j] = map[codes[j]];
+}
+#endif
+
+}  // namespace
+}  // namespace mpfused::cpu
