@@ -37,6 +37,9 @@ class FusedOptimizer(Optimizer):
     _step_supports_amp_scaling = True
     _checks_grads_in_step = True  # mpfused.GradScaler hands it check_grads (see grad_scaler.py)
     _grad_release = None  # mpfused.step_in_backward(opt) attaches one (optim/release.py)
+    # Per-element state keys kept as 8-bit codes, with their maps: set by the 8-bit optimizers
+    # (optim/state8bit.py); () keeps every state fp32.
+    _QUANT_STATES: tuple = ()
     # Group keys that a state_dict pickled before they existed lacks, with their defaults.
     _GROUP_DEFAULTS: dict = {"maximize": False, "capturable": False, "master_weights": "fp32"}
 
