@@ -102,7 +102,7 @@ step() {
   local left=$(( BUDGET - RESERVE - ($(date +%s) - t_start) ))
   (( cap > left )) && cap=$left
   if (( cap < 5 )); then
-    printf '%-7s %-13s no time left in the budget\n' SKIP "$name" | tee -a "$summary"; failed=$((failed + 1)); return 1
+    printf '%-7s %-15s no time left in the budget\n' SKIP "$name" | tee -a "$summary"; failed=$((failed + 1)); return 1
   fi
   echo "# $prov | $name | $(date -u +%FT%TZ) | cap ${cap}s | $*" >"$logf"
   local t0=$SECONDS rc
@@ -116,7 +116,7 @@ step() {
   rc=$?
   local v=PASS; (( rc )) && v=FAIL; (( rc == 124 || rc == 137 )) && v=TIMEOUT
   (( rc )) && failed=$((failed + 1))
-  printf '%-7s %-13s rc=%-3s %4ss  %s\n' "$v" "$name" "$rc" $((SECONDS - t0)) "$(basename "$logf")" | tee -a "$summary"
+  printf '%-7s %-15s rc=%-3s %4ss  %s\n' "$v" "$name" "$rc" $((SECONDS - t0)) "$(basename "$logf")" | tee -a "$summary"
   return $rc
 }
 
@@ -257,7 +257,7 @@ for s in ${PLAN[$phase]}; do
         step wheels wheels.log python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
           && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       else
-        echo "SKIP    wheels        no .whl/ (bitsandbytes, torchao absent: their columns stay empty)" | tee -a "$summary"
+        echo "SKIP    wheels          no .whl/ (bitsandbytes, torchao absent: their columns stay empty)" | tee -a "$summary"
       fi ;;
     bench_scaler)
       if [ $dry = 1 ]; then a=(--device cpu --totals 20000 --counts 1,10 --dtypes bf16)
