@@ -1,20 +1,27 @@
-"""Per-kernel smoke test, run before pytest on a GPU: each case (op x backend x dtype x mode) runs
-once on the device and is compared with the CPU native kernel (else the reference) on the same
-inputs. One line per case:
+"""Per-kernel smoke test, run before pytest on a GPU: each case (op x backend x dtype x mode; the
+cases are benchmarks/smoke_cases.py's) runs once on the device and is compared with the CPU
+native kernel (else the reference) on the same inputs. One line per case:
 
-    PASS|FAIL  op  backend  dtype  mode  max_err  note
+    PASS|FAIL|SKIP  op  backend  dtype  mode  max_err  note
 
-Each op family (native and Triton) runs in its own worker process with CUDA_LAUNCH_BLOCKING=1, so an error is
-attributed to the launch that made it. A CUDA error poisons the process's context: the worker
-stops there and a fresh one resumes the remaining cases; a hang is killed after --timeout s and
-the rest resume too. So every kernel gets a verdict even if one of them crashes.
+SGD, Lion and their 8-bit forms (EXACT_FAMILIES) must equal the CPU kernel bit for bit: the same
+per-element functions run on both. The others pass within a tolerance and say whether they were
+exact. An op without a kernel for a backend on the device (e.g. a native CUDA sgd8bit_step_ not
+written yet) gives a SKIP line, and the last line counts the verdicts and names those.
 
-    python -m benchmarks.gpu_smoke [--device cuda] [--backends native,triton] [--timeout 60]
+Each op family (native and Triton) runs in its own worker process with CUDA_LAUNCH_BLOCKING=1, so
+an error is attributed to the launch that made it; --jobs families run at once. A CUDA error
+poisons the process's context: the worker stops there and a fresh one resumes the remaining
+cases; a hang is killed after --timeout s and the rest resume too. So every kernel gets a verdict
+even if one of them crashes.
+
+    python -m benchmarks.gpu_smoke [--device cuda] [--backends native,triton] [--timeout 60] [--jobs 9]
 On CPU (`--device cpu --backends native`) the same cases and calls run as the dry run's stand-in.
 """
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import os
 import queue
 import subprocess
@@ -22,79 +29,11 @@ import sys
 import threading
 import time
 
-FAMILIES = ("check_grads", "unscale_grads_", "update_scale_", "adam_step_", "adam8bit_step_")
-DTYPES = ("fp32", "fp16", "bf16")
-MODES = {0: "none", 1: "fp32-master", 2: "remainder", 3: "stochastic"}
-# the master modes each param dtype has (remainders and stochastic rounding are bf16's)
-DTYPE_MODES = {"fp32": (0,), "fp16": (0, 1), "bf16": (0, 1, 2, 3)}
-
-
-def cases(backends: list[str]) -> list[tuple]:
-    out = []
-    for b in backends:
-        for op in FAMILIES:
-            if op in ("check_grads", "unscale_grads_"):
-                out += [(op, b, dt, "-") for dt in DTYPES]
-            elif op == "update_scale_":
-                out.append((op, b, "fp32", "-"))
-            else:
-                out += [(op, b, dt, MODES[m]) for dt in DTYPES for m in DTYPE_MODES[dt]]
-    return out
+from benchmarks.smoke_cases import (DTYPE_MODES, DTYPES, EXACT_FAMILIES, FAMILIES,  # noqa: F401
+                                    MODES, cases, inputs as _inputs)
 
 
 # ---------------------------------------------------------------- worker side (imports torch)
-
-def _inputs(op: str, dtype_name: str, mode: str, gen, block: int = 256):
-    """CPU inputs for one case: odd sizes, a tensor one element past an aligned start (offset
-    view) and a transposed one; returns (args, kwargs, outputs) with the outputs the op writes."""
-    import torch
-    from mpfused import quant_maps as qm
-
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype_name]
-
-    def shaped():
-        ts = [torch.randn(n, generator=gen).to(dtype) for n in (1, 7, 4097, 65537)]
-        ts.append(torch.randn(4098, generator=gen).to(dtype)[1:])        # offset view
-        ts.append(torch.randn(33, 17, generator=gen).to(dtype).t())      # transposed view
-        return ts
-
-    f32 = lambda v: torch.tensor(v, dtype=torch.float32)  # noqa: E731
-    if op in ("check_grads", "unscale_grads_"):
-        grads = shaped()
-        grads[2][5] = float("inf") if op == "check_grads" else grads[2][5]
-        found, inv = f32(0.0), f32(0.5)
-        norm, per = f32(0.0), torch.zeros(len(grads))
-        return [grads, found, inv, norm, per], {}, [found, norm, per] + (
-            grads if op == "unscale_grads_" else [])
-    if op == "update_scale_":
-        scale, gt, ht = f32(4.0), torch.tensor(3, dtype=torch.int32), torch.tensor(1, dtype=torch.int32)
-        found = f32(1.0)
-        return [scale, gt, ht, found, 2.0, 0.5, 2, 1, 0.0, float("inf")], {}, [scale, gt, ht]
-    m = {v: k for k, v in MODES.items()}[mode]
-    p = shaped()
-    g = [torch.randn(x.shape, generator=gen).to(dtype) for x in p]
-    masters = ([x.float() for x in p] if m == 1 else
-               [torch.zeros(x.shape, dtype=torch.int16) for x in p] if m == 2 else [])
-    steps = [f32(3.0) for _ in p]
-    # unscale by 2 and clip: norm_sq 4 with max_grad_norm 1 halves the grads (the fused paths)
-    scale, found, norm = f32(2.0), f32(0.0), f32(4.0)
-    tail = [scale, found, norm, 1.0, 7]  # grad_scale, found_inf, norm_sq, max_grad_norm, seed
-    if op == "adam_step_":
-        ms = [torch.randn(x.shape, generator=gen) * 1e-3 for x in p]
-        vs = [torch.rand(x.shape, generator=gen) * 1e-5 for x in p]
-        vmax = [v.clone() for v in vs]
-        args = [p, g, ms, vs, vmax, masters, steps, 1e-3, None, 0.9, 0.999, 1e-8, 0.01,
-                True, False, True, m]
-        return args + tail, {}, p + ms + vs + vmax + masters + steps
-    q1, q2 = qm.signed_map("cpu"), qm.unsigned_map("cpu")
-    mq = [qm.quantize_blockwise(torch.randn(x.shape, generator=gen) * 1e-3, q1, block) for x in p]
-    vq = [qm.quantize_blockwise(torch.rand(x.shape, generator=gen) * 1e-5, q2, block) for x in p]
-    c1, a1 = [c for c, _ in mq], [a for _, a in mq]
-    c2, a2 = [c for c, _ in vq], [a for _, a in vq]
-    args = [p, g, c1, c2, a1, a2, masters, steps, q1, q2, block, 1e-3, None, 0.9, 0.999, 1e-8,
-            0.01, False, True, m]
-    return args + tail, {}, p + c1 + c2 + a1 + a2 + masters + steps
-
 
 def _to(obj, device):
     import torch
@@ -147,20 +86,24 @@ def run_case(case: tuple, device: str) -> tuple[bool, float, str]:
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     OPS[op](*args, **kwargs, backend=ref_backend)
-    if mode == "remainder":  # judge the fp32 value (bf16 param, int16 remainder), not the raw bits
+    # bit equality (NaN payloads aside: Triton's fp16 NaN is 0x7FFF, the CPU's 0x7E00)
+    exact = all(torch.equal(d.cpu(), o) or (d.is_floating_point() and torch.equal(
+        d.cpu().nan_to_num(0.0), o.nan_to_num(0.0))) for d, o in zip(douts, outs))
+    if mode.endswith("remainder"):  # judge the fp32 value (bf16 param, int16 remainder), not the raw bits
         n = len(args[0])
         douts = _join_remainder(douts, n)
         outs = _join_remainder(outs, n)
     codes = [_max_err(d, o) for d, o in zip(douts, outs) if not o.is_floating_point()]
     err = max((_max_err(d, o) for d, o in zip(douts, outs) if o.is_floating_point()), default=0.0)
     code_err = max(codes, default=0.0)
-    exact = all(torch.equal(d.cpu(), o) or (d.is_floating_point() and torch.equal(
-        d.cpu().nan_to_num(0.0), o.nan_to_num(0.0))) for d, o in zip(douts, outs))
     # 16-bit results may differ from the CPU by rounding; 8-bit codes (and step counts) by a rare
-    # flip at a threshold
+    # flip at a threshold; except where the CPU kernel runs the same math: then bit for bit
     tol, code_tol = (1e-5 if dtype == "fp32" else 1e-2), 1e-3
-    how = "exact" if exact else f"within {tol:g}" + (f", codes {code_err:.2g} differ" if code_err else "")
-    return err <= tol and code_err <= code_tol, err, f"{how} vs cpu-{ref_backend}, {dt * 1e3:.1f} ms"
+    strict = op in EXACT_FAMILIES and ref_backend == "native"
+    how = "exact" if exact else ("NOT bit-equal, " if strict else "") + f"within {tol:g}" + (
+        f", codes {code_err:.2g} differ" if code_err else "")
+    ok = exact if strict else (err <= tol and code_err <= code_tol)
+    return ok, err, f"{how} vs cpu-{ref_backend}{' (bit for bit)' if strict else ''}, {dt * 1e3:.1f} ms"
 
 
 def _join_remainder(outs: list, n: int) -> list:
@@ -201,7 +144,7 @@ def worker(idx: list[int], backends: list[str], device: str) -> None:
             time.sleep(3600)
         op, backend = case[0], case[1]
         if backend not in OPS[op].available(device):
-            print(f"RESULT {i} SKIP nan backend not available on {device}", flush=True)
+            print(f"RESULT {i} SKIP nan no {backend} kernel registered for {op} on {device}", flush=True)
             continue
         try:
             ok, err, note = run_case(case, device)
@@ -263,12 +206,20 @@ def _run_group(idx: list[int], args, all_cases, out) -> bool:
     return ok
 
 
+_LOCK = threading.Lock()  # families run in parallel (--jobs): one line at a time
+TALLY: dict = {"PASS": 0, "FAIL": 0, "SKIP": 0, "skipped": set()}
+
+
 def _emit(out, verdict, case, err, note):
-    line = f"{verdict:<4}  {case[0]:<15} {case[1]:<9} {case[2]:<4}  {case[3]:<12} max_err={err:<9} {note}"
-    print(line, flush=True)
-    if out:
-        out.write(line + "\n")
-        out.flush()
+    line = f"{verdict:<4}  {case[0]:<15} {case[1]:<9} {case[2]:<4}  {case[3]:<22} max_err={err:<9} {note}"
+    with _LOCK:
+        TALLY[verdict if verdict in TALLY else "FAIL"] += 1
+        if verdict == "SKIP":
+            TALLY["skipped"].add(f"{case[0]} {case[1]}")
+        print(line, flush=True)
+        if out:
+            out.write(line + "\n")
+            out.flush()
 
 
 def main(argv=None) -> int:
@@ -276,6 +227,7 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--backends", default="native,triton")
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds per case before a kill")
+    ap.add_argument("--jobs", type=int, default=1, help="op families run at once (one process each)")
     ap.add_argument("--out", help="also write the lines to this file")
     ap.add_argument("--only", default="", help="comma-separated op families (default: all)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -286,12 +238,20 @@ def main(argv=None) -> int:
         return 0
     all_cases = cases(backends)
     out = open(args.out, "w") if args.out else None
-    ok = True
-    for fam in [f for f in FAMILIES if not args.only or f in args.only.split(",")]:
-        # one process per op family (all its backends: a process start-up with CUDA costs seconds)
-        idx = [i for i, c in enumerate(all_cases) if c[0] == fam]
-        ok &= _run_group(idx, args, all_cases, out)
-    print(f"smoke: {'all PASS' if ok else 'FAILURES'}", flush=True)
+    fams = [f for f in FAMILIES if not args.only or f in args.only.split(",")]
+    # one process per op family (all its backends: a process start-up with CUDA costs seconds);
+    # families in parallel: each has its own CUDA context, so a crash stays in its family
+    groups = [[i for i, c in enumerate(all_cases) if c[0] == fam] for fam in fams]
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        ok = all(list(pool.map(lambda idx: _run_group(idx, args, all_cases, out), groups)))
+    skipped = sorted(TALLY["skipped"])
+    tally = (f"smoke: {'all PASS' if ok else 'FAILURES'}: {TALLY['PASS']} PASS, {TALLY['FAIL']} FAIL, "
+             f"{TALLY['SKIP']} SKIP" + (f" (no kernel on {args.device}: {', '.join(skipped)})"
+                                        if skipped else ""))
+    print(tally, flush=True)
+    if out:
+        out.write(tally + "\n")
+        out.close()
     return 0 if ok else 1
 
 

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU run plan. One phase per device call (each call may get a fresh machine, so each builds
 # first; a warm machine with this tree already built skips the build):
-#   verify    build, per-kernel smoke (one PASS/FAIL line per op x backend x dtype x mode, each op
-#             family in its own process), the CUDA test files, then the rest of the suite
-#   sanitize  build, compute-sanitizer memcheck / racecheck / synccheck / initcheck over
-#             benchmarks/sanitizer_driver.py with the caching allocator off
+#   verify    build, per-kernel smoke (one PASS/FAIL/SKIP line per op x backend x dtype x mode,
+#             each op family in its own process, families in parallel), the CUDA test files
+#             (sgd/lion kernel tests included), then the rest of the suite
+#   sanitize  build, compute-sanitizer memcheck (native, then Triton) / racecheck / synccheck /
+#             initcheck over benchmarks/sanitizer_driver.py with the caching allocator off
 #   roofline  build, benchmarks/roofline.py (kernels at 2^28 vs a same-bytes copy, the
-#             10,000-tensor step), ncu counters per kernel when ncu is there
-#   bench     build, peer wheels from .whl/, the micro-benchmarks and the main job
+#             10,000-tensor step per optimizer family), ncu counters per kernel when ncu is there
+#   bench     build, peer wheels from .whl/, the micro-benchmarks (AdamW, scaler, 8-bit, SGD/Lion)
+#   jobs      build, peer wheels, the main job with --optimizer adamw, sgd and lion
 #
 #   usage: [MPFUSED_COMMIT=<sha>] bash benchmarks/gpu_suite.sh [--dry-run] OUT PHASE
 #          bash benchmarks/gpu_suite.sh --plan          (each phase's steps and time caps)
@@ -24,15 +26,25 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+# caps (s) per phase, + RESERVE: verify 20+180+90+175+80 = 545+15, sanitize 20+180+120+70+50+60+45
+# = 545+15, roofline 20+180+140+205 = 545+15, bench 20+180+20+60+70+70+90 = 510+15,
+# jobs 20+180+20+3x105 = 535+15 (test_gpu_plan checks each against the 10-minute call)
 declare -A CAP=([env]=20 [build]=180
-  [smoke]=75 [tests_cuda]=175 [tests_rest]=90
-  [memcheck]=130 [racecheck]=90 [synccheck]=60 [initcheck]=60
-  [roofline]=120 [ncu]=200
-  [wheels]=20 [bench_scaler]=60 [bench_adamw]=70 [bench_8bit]=70 [main_job]=120)
+  [smoke]=90 [tests_cuda]=175 [tests_rest]=80
+  [memcheck]=120 [racecheck]=70 [synccheck]=50 [memcheck_triton]=60 [initcheck]=45
+  [roofline]=140 [ncu]=205
+  [wheels]=20 [bench_scaler]=60 [bench_adamw]=70 [bench_8bit]=70 [bench_sgd_lion]=90
+  [main_job]=105 [main_job_sgd]=105 [main_job_lion]=105)
 declare -A PLAN=([verify]="env build smoke tests_cuda tests_rest"
-  [sanitize]="env build memcheck racecheck synccheck initcheck"
+  [sanitize]="env build memcheck racecheck synccheck memcheck_triton initcheck"
   [roofline]="env build roofline ncu"
-  [bench]="env build wheels bench_scaler bench_adamw bench_8bit main_job")
+  [bench]="env build wheels bench_scaler bench_adamw bench_8bit bench_sgd_lion"
+  [jobs]="env build wheels main_job main_job_sgd main_job_lion")
+# the op families the sanitizers drive (an op with no kernel on the device is skipped and named)
+ALL_OPS=check_grads,unscale_grads_,update_scale_,adam_step_,adam8bit_step_,sgd_step_,lion_step_,sgd8bit_step_,lion8bit_step_
+# racecheck: the kernels with shared memory and barriers (amp reductions, 8-bit search tables,
+# the elementwise kernel's per-block scalars)
+SHARED_OPS=check_grads,unscale_grads_,adam8bit_step_,sgd_step_,lion_step_,sgd8bit_step_,lion8bit_step_
 for k in "${!CAP[@]}"; do  # GPU_SUITE_CAP_<step>=S overrides one cap (the dry-run test shortens some)
   v=GPU_SUITE_CAP_$k; [ -n "${!v:-}" ] && CAP[$k]=${!v}
 done
@@ -40,7 +52,7 @@ BUDGET=${GPU_SUITE_BUDGET:-560}
 RESERVE=15  # seconds kept for stamping and the archive
 
 if [ "${1:-}" = --plan ]; then
-  for ph in verify sanitize roofline bench; do
+  for ph in verify sanitize roofline bench jobs; do
     tot=$RESERVE; line=""
     for s in ${PLAN[$ph]}; do tot=$((tot + CAP[$s])); line+=" $s:${CAP[$s]}"; done
     echo "$ph total=$tot budget=$BUDGET reserve=$RESERVE$line"
@@ -49,10 +61,10 @@ if [ "${1:-}" = --plan ]; then
 fi
 dry=0
 [ "${1:-}" = --dry-run ] && { dry=1; shift; }
-[ $# -eq 2 ] || { echo "usage: bash benchmarks/gpu_suite.sh [--dry-run] OUT verify|sanitize|roofline|bench" >&2; exit 2; }
+[ $# -eq 2 ] || { echo "usage: bash benchmarks/gpu_suite.sh [--dry-run] OUT verify|sanitize|roofline|bench|jobs" >&2; exit 2; }
 phase=$2
 # `all` (every step once, one build) is for the dry run: on a GPU it cannot fit one call
-[ $dry = 1 ] && PLAN[all]="env build smoke tests_cuda tests_rest memcheck racecheck synccheck initcheck roofline ncu wheels bench_scaler bench_adamw bench_8bit main_job"
+[ $dry = 1 ] && PLAN[all]="env build smoke tests_cuda tests_rest memcheck racecheck synccheck memcheck_triton initcheck roofline ncu wheels bench_scaler bench_adamw bench_8bit bench_sgd_lion main_job main_job_sgd main_job_lion"
 [ -n "${PLAN[$phase]:-}" ] || { echo "phase must be one of: ${!PLAN[*]}" >&2; exit 2; }
 t_start=$(date +%s)
 mkdir -p "$1" && out=$(cd "$1" && pwd)
@@ -90,7 +102,7 @@ step() {
   local left=$(( BUDGET - RESERVE - ($(date +%s) - t_start) ))
   (( cap > left )) && cap=$left
   if (( cap < 5 )); then
-    printf '%-7s %-13s no time left in the budget\n' SKIP "$name" | tee -a "$summary"; failed=$((failed + 1)); return 1
+    printf '%-7s %-15s no time left in the budget\n' SKIP "$name" | tee -a "$summary"; failed=$((failed + 1)); return 1
   fi
   echo "# $prov | $name | $(date -u +%FT%TZ) | cap ${cap}s | $*" >"$logf"
   local t0=$SECONDS rc
@@ -104,14 +116,14 @@ step() {
   rc=$?
   local v=PASS; (( rc )) && v=FAIL; (( rc == 124 || rc == 137 )) && v=TIMEOUT
   (( rc )) && failed=$((failed + 1))
-  printf '%-7s %-13s rc=%-3s %4ss  %s\n' "$v" "$name" "$rc" $((SECONDS - t0)) "$(basename "$logf")" | tee -a "$summary"
+  printf '%-7s %-15s rc=%-3s %4ss  %s\n' "$v" "$name" "$rc" $((SECONDS - t0)) "$(basename "$logf")" | tee -a "$summary"
   return $rc
 }
 
 if [ $dry = 1 ]; then
-  dev=cpu; smoke_backends=native; san_backends=native
+  dev=cpu; smoke_backends=native; tri_backend=native; smoke_jobs=2
 else
-  dev=cuda; smoke_backends=native,triton; san_backends=native,triton
+  dev=cuda; smoke_backends=native,triton; tri_backend=triton; smoke_jobs=9
   export MPFUSED_TEST_TRITON_COMPILED=1  # the suite's Triton tests compile for the GPU
   [ -n "${CUDA_HOME:-}" ] || { [ -f /usr/local/cuda/include/cuda_runtime.h ] && export CUDA_HOME=/usr/local/cuda; }
 fi
@@ -172,17 +184,33 @@ ncu_all() {
     python3 -m benchmarks.roofline --ncu-csv "$run/ncu_canned.csv" --case canned --numel 100 --out "$run/roofline.json"
     return
   fi
-  local n=$((1 << 25)) c rc=0  # 32M elements: far beyond L2, and ncu's replays stay quick
-  for c in adamw_fp32 adamw_bf16_master adamw8bit_fp32 adamw8bit_bf16_master check_bf16 unscale_bf16; do
-    ncu --csv --log-file "$run/ncu_$c.csv" --print-units base --clock-control none \
-      -k regex:mta_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight --section Occupancy \
-      --metrics dram__bytes_read.sum,dram__bytes_write.sum,sm__warps_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed_op_shared_ld.sum \
-      python3 -m benchmarks.roofline --once --case "$c" --numel $n || rc=1
+  local n=$((1 << 25)) c rc=0 skip count cases  # 32M elements: far beyond L2, ncu's replays stay quick
+  local base=dram__bytes_read.sum,dram__bytes_write.sum,sm__warps_active.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed_op_shared_ld.sum
+  local stalls; stalls=$(python3 -m benchmarks.roofline --stall-metrics) || return 1
+  # the cases whose op has a native kernel here (one process, not one per case under ncu)
+  cases=$(python3 -c "from benchmarks.roofline import CASES; from mpfused.ops import OPS
+print(' '.join(c for c in '${GPU_SUITE_NCU_CASES:-adamw_fp32 adamw_bf16_master adamw8bit_fp32 adamw8bit_bf16_master check_bf16 unscale_bf16 sgd_fp32 sgd_momentum_fp32 lion_fp32 sgd8bit_fp32 lion8bit_fp32}'.split() if 'native' in OPS[CASES[c][0]].available('cuda')))") || return 1
+  echo "ncu cases: $cases"
+  for c in $cases; do
+    # launches per call that the filter matches: the 8-bit Adam step is prepare_kernel + mta_kernel
+    # (skip the warm-up call's two); an 8-bit SGD/Lion kernel may have a prepare too (count 2)
+    case $c in adamw8bit_*) skip=2 count=2 ;; *8bit_*) skip=1 count=2 ;; *) skip=1 count=1 ;; esac
+    prof() {
+      ncu --csv --log-file "$run/ncu_$c.csv" --print-units base --clock-control none \
+        -k "regex:mta_kernel|prepare_kernel" --launch-skip $skip --launch-count $count \
+        --section SpeedOfLight --section Occupancy --section WarpStateStats --metrics "$1" \
+        python3 -m benchmarks.roofline --once --case "$c" --numel $n
+    }
+    # a stall metric this ncu does not know fails the run: then once more without them
+    prof "$base,$stalls" || { echo "ncu refused the stall metrics for $c: again without"; prof "$base"; } || rc=1
     python3 -m benchmarks.roofline --ncu-csv "$run/ncu_$c.csv" --case "$c" --numel $n --out "$run/roofline.json" || rc=1
   done
   cat "$run"/ncu_*.csv >"$run/ncu_raw.txt" && rm -f "$run"/ncu_*.csv  # one file; ncu's own lines inside
   return $rc
 }
+
+# note LOG REGEX: a step's own tally line (smoke counts, sanitizer skips) into the summary
+note() { grep -hE "$2" "$run/$1" 2>/dev/null | tail -1 | sed 's/^/        /' >>"$summary"; }
 
 export -f env_info build sanitizer ncu_all
 export dry run
@@ -193,38 +221,43 @@ for s in ${PLAN[$phase]}; do
     build) step build build.log build || { echo "build failed: nothing else can run" | tee -a "$summary"; exit 1; } ;;
     smoke)
       step smoke smoke.log python3 -m benchmarks.gpu_smoke --device $dev --backends $smoke_backends \
-        --timeout 30 --out "$run/smoke.txt" ${GPU_SUITE_SMOKE_ONLY:+--only "$GPU_SUITE_SMOKE_ONLY"} ;;
+        --timeout 30 --jobs $smoke_jobs --out "$run/smoke.txt" ${GPU_SUITE_SMOKE_ONLY:+--only "$GPU_SUITE_SMOKE_ONLY"}
+      note smoke.log '^smoke: ' ;;
     tests_cuda)
       # the GPU's own tests first, in their own process: a sticky CUDA error there cannot fail the rest
       # shellcheck disable=SC2086
-      run_pytest tests_cuda junit-cuda.xml ${GPU_SUITE_TESTS_CUDA:-tests/test_cuda_kernels.py tests/test_cuda_adam8bit.py} ;;
+      run_pytest tests_cuda junit-cuda.xml ${GPU_SUITE_TESTS_CUDA:-tests/test_cuda_kernels.py tests/test_cuda_adam8bit.py \
+        tests/test_sgd_lion_kernels.py} ;;
     tests_rest)
       # everything else (CUDA-parametrized tests included); the host emulation, the Triton AOT and
       # nvcc compile checks are CI's stand-ins for this machine, and the dry run of this plan is CI's
       # shellcheck disable=SC2086
       run_pytest tests_rest junit-rest.xml ${GPU_SUITE_TESTS_REST:-tests --ignore=tests/test_cuda_kernels.py \
-        --ignore=tests/test_cuda_adam8bit.py --ignore=tests/test_cuda_emulation.py \
+        --ignore=tests/test_cuda_adam8bit.py --ignore=tests/test_sgd_lion_kernels.py --ignore=tests/test_cuda_emulation.py \
         --ignore=tests/test_triton_compile.py --ignore=tests/test_cuda_compile.py \
         --ignore=tests/test_gpu_plan.py} ;;
-    memcheck) step memcheck memcheck.log sanitizer memcheck $san_backends "${GPU_SUITE_SAN_ONLY:-check_grads,unscale_grads_,update_scale_,adam_step_,adam8bit_step_}" ;;
-    # shared memory and barriers are the native kernels' (the 8-bit search tables, the amp reductions)
-    racecheck) step racecheck racecheck.log sanitizer racecheck native "${GPU_SUITE_SAN_ONLY:-check_grads,unscale_grads_,adam8bit_step_}" ;;
-    synccheck) step synccheck synccheck.log sanitizer synccheck native "${GPU_SUITE_SAN_ONLY:-check_grads,unscale_grads_,update_scale_,adam_step_,adam8bit_step_}" ;;
-    initcheck) step initcheck initcheck.log sanitizer initcheck native "${GPU_SUITE_SAN_ONLY:-check_grads,unscale_grads_,update_scale_,adam_step_,adam8bit_step_}" ;;
+    memcheck|racecheck|synccheck|memcheck_triton|initcheck)
+      tool=${s%_triton}; be=native; ops=${GPU_SUITE_SAN_ONLY:-$ALL_OPS}
+      [ $s = memcheck_triton ] && be=$tri_backend  # Triton's kernels: memcheck only
+      [ $s = racecheck ] && ops=${GPU_SUITE_SAN_ONLY:-$SHARED_OPS}
+      step $s $s.log sanitizer $tool $be "$ops"
+      note $s.log '^sanitizer driver: [0-9]' ;;
     roofline)
       if [ $dry = 1 ]; then
         step roofline roofline.log python3 -m benchmarks.roofline --device cpu --numel 4096 --small 100x10 \
-          --warmup 1 --reps 2 --cases adamw_fp32,adamw8bit_fp32,check_bf16 --out "$run/roofline.json"
+          --warmup 1 --reps 2 --cases adamw_fp32,adamw8bit_fp32,check_bf16,sgd_fp32,sgd_momentum_fp32,lion_fp32,sgd8bit_fp32 \
+          --out "$run/roofline.json"
       else
         step roofline roofline.log python3 -m benchmarks.roofline --device cuda --out "$run/roofline.json"
-      fi ;;
+      fi
+      note roofline.log 'skipped: ' ;;
     ncu) step ncu ncu.log ncu_all ;;
     wheels)
       if compgen -G ".whl/*.whl" >/dev/null; then
         step wheels wheels.log python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl \
           && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
       else
-        echo "SKIP    wheels        no .whl/ (bitsandbytes, torchao absent: their columns stay empty)" | tee -a "$summary"
+        echo "SKIP    wheels          no .whl/ (bitsandbytes, torchao absent: their columns stay empty)" | tee -a "$summary"
       fi ;;
     bench_scaler)
       if [ $dry = 1 ]; then a=(--device cpu --totals 20000 --counts 1,10 --dtypes bf16)
@@ -238,10 +271,15 @@ for s in ${PLAN[$phase]}; do
       if [ $dry = 1 ]; then a=(--device cpu --sizes 2e4 --steps 1 --rounds 1 --warmup 1)
       else a=(--device cuda); fi
       step bench_8bit bench_8bit.log python3 -m benchmarks.bench_adamw8bit "${a[@]}" --out "$run" ;;
-    main_job)
+    bench_sgd_lion)
+      if [ $dry = 1 ]; then a=(--device cpu --totals 20000 --counts 1,10)
+      else a=(--device cuda --totals 1000000,100000000 --counts 1,10000); fi
+      step bench_sgd_lion bench_sgd_lion.log python3 -m benchmarks.bench_sgd_lion "${a[@]}" ;;
+    main_job|main_job_sgd|main_job_lion)
+      o=${s#main_job}; o=${o#_}
       if [ $dry = 1 ]; then a=(--device cpu --size tiny --steps 2 --recipes native,mpfused)
-      else a=(--device cuda --steps 200); fi  # the medium preset's 400 steps x 5 recipes: past the cap
-      step main_job main_job.log python3 -m mpfused.bench "${a[@]}" --out "$run/main_job" ;;
+      else a=(--device cuda --steps 150); fi  # the medium preset's 400 steps x 5 recipes: past the cap
+      step $s $s.log python3 -m mpfused.bench "${a[@]}" ${o:+--optimizer $o} --out "$run/$s" ;;
   esac
 done
 exit $(( failed > 0 ))

@@ -1,15 +1,23 @@
 """Roofline of the native kernels: each kernel alone on one tensor (2^28 elements on a GPU) against a
-device copy that moves the same bytes (CUDA events, medians), and the 10,000-small-tensor AdamW
-step (host µs, GPU µs, kernel launches per step by torch.profiler) against torch's fused AdamW.
+device copy that moves the same bytes (CUDA events, medians), and the 10,000-small-tensor step of
+each optimizer family (host us, GPU us, kernel launches per step and per kernel name by
+torch.profiler: the 8-bit Adam prepare launch shows as prepare_kernel) against torch's fused
+step where torch has one.
 
 Bytes model: every operand read once and every in-place operand written once (grads are read
-only): fp32 AdamW 28 B/param, bf16 + fp32 master 30, 8-bit fp32 10 (+ absmax), check bf16 2.
-`fraction` = copy time / kernel time for the same bytes: 1.0 is the copy's bandwidth.
+only), counted from the tensors' sizes: fp32 AdamW 28 B/param, bf16 + fp32 master 30, 8-bit fp32
+16 (+ absmax), check bf16 2; SGD without momentum 12 (read p, g; write p), SGD with momentum 20
+(read p, g, buf; write p, buf), Lion 20 (read p, g, m; write p, m); bf16 params with an fp32
+master: SGD 14 / SGD momentum 22 / Lion 22 (a 2-byte param and a 4-byte master, each read and
+written, a 2-byte grad); 8-bit SGD / Lion fp32 14 (+ absmax).
+`fraction` = copy time / kernel time for the same bytes: 1.0 is the copy's bandwidth. A case
+whose op has no native kernel on the device (a CUDA sgd8bit_step_ not written yet) is listed as
+skipped.
 
     python -m benchmarks.roofline [--device cuda] [--numel N] [--out FILE.json]
     python -m benchmarks.roofline --once --case adamw_fp32 --numel N     (one launch, for ncu)
     python -m benchmarks.roofline --ncu-csv FILE --case C --numel N --out FILE.json  (adds ncu's
-        DRAM bytes per element, occupancy and shared-memory wavefronts to the JSON)
+        DRAM bytes per element, occupancy, stall reasons and shared-memory wavefronts to the JSON)
 """
 from __future__ import annotations
 
@@ -28,7 +36,7 @@ from mpfused.ops import OPS
 
 from benchmarks.common import median_time
 
-# name: (op, param dtype, master mode)
+# name: (op, param dtype, master mode[, SGD momentum])
 CASES = {
     "check_bf16": ("check_grads", torch.bfloat16, None),
     "unscale_fp32": ("unscale_grads_", torch.float32, None),
@@ -39,6 +47,13 @@ CASES = {
     "adamw_bf16_stochastic": ("adam_step_", torch.bfloat16, 3),
     "adamw8bit_fp32": ("adam8bit_step_", torch.float32, 0),
     "adamw8bit_bf16_master": ("adam8bit_step_", torch.bfloat16, 1),
+    "sgd_fp32": ("sgd_step_", torch.float32, 0, 0.0),
+    "sgd_momentum_fp32": ("sgd_step_", torch.float32, 0, 0.9),
+    "sgd_momentum_bf16_master": ("sgd_step_", torch.bfloat16, 1, 0.9),
+    "lion_fp32": ("lion_step_", torch.float32, 0),
+    "lion_bf16_master": ("lion_step_", torch.bfloat16, 1),
+    "sgd8bit_fp32": ("sgd8bit_step_", torch.float32, 0, 0.9),
+    "lion8bit_fp32": ("lion8bit_step_", torch.float32, 0),
 }
 
 
@@ -47,7 +62,7 @@ BACKEND = "native"  # --backend
 
 def make_case(name: str, n: int, device: str):
     """(call, bytes moved by the model) for one tensor of n elements."""
-    op, dtype, mode = CASES[name]
+    op, dtype, mode, *momentum = CASES[name]
     dev = torch.device(device)
     f32 = lambda v: torch.tensor(v, dtype=torch.float32, device=dev)  # noqa: E731
     found, norm = f32(0.0), f32(0.0)
@@ -66,7 +81,23 @@ def make_case(name: str, n: int, device: str):
         moved = 2 * (p.nbytes + m.nbytes + v.nbytes + sum(x.nbytes for x in masters)) + g.nbytes
         return (lambda: OPS[op]([p], [g], [m], [v], [], masters, steps, 1e-3, None, 0.9, 0.999,
                                 1e-8, 0.01, False, False, True, mode, *tail, backend=BACKEND)), moved
+    if op in ("sgd_step_", "lion_step_"):
+        st = [torch.zeros(n, device=dev)] if momentum != [0.0] else []
+        moved = 2 * (p.nbytes + sum(x.nbytes for x in st + masters)) + g.nbytes
+        if op == "sgd_step_":
+            return (lambda: OPS[op]([p], [g], st, masters, steps, 1e-3, None, momentum[0], 0.0,
+                                    0.0, False, False, mode, *tail, backend=BACKEND)), moved
+        return (lambda: OPS[op]([p], [g], st, masters, steps, 1e-4, None, 0.9, 0.99, 0.0, False,
+                                mode, *tail, backend=BACKEND)), moved
     block = 256
+    if op in ("sgd8bit_step_", "lion8bit_step_"):
+        q = qm.signed_map(dev)
+        c, a = qm.quantize_blockwise(torch.zeros(n, device=dev), q, block)
+        moved = 2 * (p.nbytes + c.nbytes + a.nbytes + sum(x.nbytes for x in masters)) + g.nbytes
+        head = ([p], [g], [c], [a], masters, steps, q, block)
+        hyper = ((1e-3, None, 0.9, 0.0, 0.0, False, False) if op == "sgd8bit_step_"
+                 else (1e-4, None, 0.9, 0.99, 0.0, False))
+        return (lambda: OPS[op](*head, *hyper, mode, *tail, backend=BACKEND)), moved
     c1, a1 = qm.quantize_blockwise(torch.zeros(n, device=dev), qm.signed_map(dev), block)
     c2, a2 = qm.quantize_blockwise(torch.zeros(n, device=dev), qm.unsigned_map(dev), block)
     q1, q2 = qm.signed_map(dev), qm.unsigned_map(dev)
@@ -80,6 +111,9 @@ def make_case(name: str, n: int, device: str):
 def kernel_rows(names, n: int, device: str, warmup: int, reps: int) -> list[dict]:
     rows = []
     for name in names:
+        if BACKEND not in OPS[CASES[name][0]].available(device):
+            rows.append({"case": name, "numel": n, "skipped": f"no {BACKEND} {CASES[name][0]} on {device}"})
+            continue
         call, moved = make_case(name, n, device)
         t = median_time(call, device, warmup, reps)
         del call
@@ -95,43 +129,69 @@ def kernel_rows(names, n: int, device: str, warmup: int, reps: int) -> list[dict
     return rows
 
 
-def small_step(count: int, numel: int, device: str, warmup: int, reps: int) -> list[dict]:
-    """One AdamW step over `count` fp32 tensors of `numel` elements: mpfused and torch fused."""
+# family -> who -> optimizer factory, for the many-small-tensor step
+SMALL = {
+    "adamw": {"mpfused": lambda ps: mpfused.AdamW(ps, lr=1e-3),
+              "torch-fused": lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True)},
+    "sgd": {"mpfused": lambda ps: mpfused.SGD(ps, lr=1e-3, momentum=0.9),
+            "torch-fused": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, fused=True)},
+    "lion": {"mpfused": lambda ps: mpfused.Lion(ps, lr=1e-4)},
+    # min_8bit_size=1: the small tensors get 8-bit state too (default: fp32 below 4096 elements)
+    "adamw8bit": {"mpfused": lambda ps: mpfused.AdamW8bit(ps, lr=1e-3, min_8bit_size=1)},
+}
+
+
+def small_step(count: int, numel: int, device: str, warmup: int, reps: int,
+               families=tuple(SMALL)) -> list[dict]:
+    """One step over `count` fp32 tensors of `numel` elements, per family: mpfused and torch
+    fused. Kernel launches per step by name: the 8-bit Adam prepare kernel is one of them."""
+    from collections import Counter
+
     from torch.profiler import ProfilerActivity, profile
 
     rows = []
-    for who in ("mpfused", "torch-fused"):
-        params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(count)]
-        for p in params:
-            p.grad = torch.randn_like(p)
-        opt = (mpfused.AdamW(params, lr=1e-3) if who == "mpfused"
-               else torch.optim.AdamW(params, lr=1e-3, fused=True))
-        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-        host = []
-        for i in range(warmup + reps):
-            sync()
-            t = time.perf_counter()
-            opt.step()  # host time: until the call returns, launches queued
-            if i >= warmup:
-                host.append(time.perf_counter() - t)
-        gpu = median_time(opt.step, device, 1, reps)
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-        with profile(activities=acts) as prof:
-            opt.step()
-            sync()
-        if device == "cuda":
-            kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-        else:
-            kernels = None  # no device kernels on CPU: the stand-in checks the plumbing only
-        rows.append({"case": f"adamw_{count}x{numel}", "who": who, "host_us": statistics.median(host) * 1e6,
-                     "step_us": gpu * 1e6, "kernels_per_step": kernels})
-        del opt, params
+    for fam in families:
+        for who, make in SMALL[fam].items():
+            params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(count)]
+            for p in params:
+                p.grad = torch.randn_like(p)
+            opt = make(params)
+            sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+            host = []
+            for i in range(warmup + reps):
+                sync()
+                t = time.perf_counter()
+                opt.step()  # host time: until the call returns, launches queued
+                if i >= warmup:
+                    host.append(time.perf_counter() - t)
+            gpu = median_time(opt.step, device, 1, reps)
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+            with profile(activities=acts) as prof:
+                opt.step()
+                sync()
+            if device == "cuda":
+                names = Counter(_short(e.name) for e in prof.events()
+                                if e.device_type == torch.autograd.DeviceType.CUDA)
+                kernels, by_name = sum(names.values()), dict(names.most_common(8))
+            else:
+                kernels, by_name = None, None  # no device kernels on CPU: the plumbing only
+            rows.append({"case": f"{fam}_{count}x{numel}", "who": who,
+                         "host_us": statistics.median(host) * 1e6, "step_us": gpu * 1e6,
+                         "kernels_per_step": kernels, "kernels_by_name": by_name})
+            del opt, params
     return rows
 
 
+def _short(name: str) -> str:
+    """A kernel's name without its arguments and namespaces: 'mta_kernel<...>', 'prepare_kernel<448>'."""
+    return name.split("(")[0].replace("void ", "").split("::")[-1][:60]
+
+
 def parse_ncu(path: Path, numel: int) -> dict:
-    """ncu --csv (details page: one row per kernel x metric) -> per-kernel metric sums and DRAM
-    bytes per element for the kernels named mta_kernel (the multi-tensor kernels)."""
+    """ncu --csv (details page: one row per kernel x metric) -> per-kernel metric sums (one launch
+    of each kernel is profiled), DRAM bytes per element, shared-memory wavefronts per load and the
+    top stall reasons (cycles per issued instruction) for the profiled kernels (mta_kernel, and
+    the 8-bit prepare_kernel); "all kernels": the DRAM bytes per element of the whole call."""
     lines = [ln for ln in Path(path).read_text().splitlines() if ln.startswith('"')]
     rows = list(csv.DictReader(lines))
     out: dict = {}
@@ -153,7 +213,21 @@ def parse_ncu(path: Path, numel: int) -> dict:
         if ld:
             m["shared_wavefronts_per_ld"] = m.get(
                 "l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum", 0.0) / ld
+        stalls = {name[len(STALL_PREFIX):-len(STALL_SUFFIX)]: v for name, v in m.items()
+                  if name.startswith(STALL_PREFIX) and name.endswith(STALL_SUFFIX)}
+        if stalls:
+            m["stall_top"] = dict(sorted(stalls.items(), key=lambda kv: -kv[1])[:5])
+    dram = [m["dram_bytes_per_elem"] for m in out.values() if "dram_bytes_per_elem" in m]
+    if len(out) > 1 and dram:
+        out["all kernels"] = {"dram_bytes_per_elem": sum(dram)}
     return out
+
+
+# ncu's WarpStateStats stall reasons, as metrics (gpu_suite.sh asks for them by name)
+STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
+STALLS = ("long_scoreboard", "short_scoreboard", "barrier", "mio_throttle", "lg_throttle", "wait",
+          "math_pipe_throttle", "not_selected", "selected", "no_instruction", "drain", "membar",
+          "dispatch_stall", "branch_resolving", "imc_miss", "sleeping", "tex_throttle")
 
 
 def main(argv=None) -> int:
@@ -163,12 +237,14 @@ def main(argv=None) -> int:
                     help="elements per kernel (default 2**28 on cuda, 2**16 on cpu)")
     ap.add_argument("--cases", default=",".join(CASES))
     ap.add_argument("--small", default="10000x100", help="COUNTxNUMEL for the small-tensor step")
+    ap.add_argument("--small-families", default=",".join(SMALL), help="optimizer families of the small step")
     ap.add_argument("--backend", default="native", help="native (the roofline's subject), triton")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--once", action="store_true", help="one warm-up and one launch (for ncu)")
     ap.add_argument("--case", help="with --once / --ncu-csv: the one case")
     ap.add_argument("--ncu-csv", help="parse this ncu CSV into --out")
+    ap.add_argument("--stall-metrics", action="store_true", help="print ncu's stall-reason metric names")
     ap.add_argument("--out", help="JSON file (read-modify-write)")
     args = ap.parse_args(argv)
     global BACKEND
@@ -176,11 +252,17 @@ def main(argv=None) -> int:
     n = args.numel or (2 ** 28 if args.device == "cuda" else 2 ** 16)
     out = Path(args.out) if args.out else None
     data = json.loads(out.read_text()) if out and out.is_file() else {}
+    if args.stall_metrics:
+        print(",".join(STALL_PREFIX + r + STALL_SUFFIX for r in STALLS))
+        return 0
     if args.ncu_csv:
         data.setdefault("ncu", {})[args.case] = {"numel": n, "kernels": parse_ncu(Path(args.ncu_csv), n)}
     elif args.once:
+        if BACKEND not in OPS[CASES[args.case][0]].available(args.device):
+            print(f"skipped: no {BACKEND} {CASES[args.case][0]} on {args.device}")
+            return 0
         call, _ = make_case(args.case, n, args.device)
-        call()  # the warm-up launch (ncu --launch-skip 1)
+        call()  # the warm-up call (ncu --launch-skip: its launches)
         call()
         if args.device == "cuda":
             torch.cuda.synchronize()
@@ -189,14 +271,18 @@ def main(argv=None) -> int:
         count, numel = (int(x) for x in args.small.split("x"))
         data["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
         data["kernels"] = kernel_rows(args.cases.split(","), n, args.device, args.warmup, args.reps)
-        data["small_step"] = small_step(count, numel, args.device, args.warmup, args.reps)
+        data["small_step"] = small_step(count, numel, args.device, args.warmup, args.reps,
+                                        args.small_families.split(","))
         print(f"{'case':<24}{'B/elem':>8}{'kernel us':>11}{'copy us':>10}{'GB/s':>8}{'fraction':>9}")
         for r in data["kernels"]:
+            if "skipped" in r:
+                print(f"{r['case']:<24} skipped: {r['skipped']}")
+                continue
             print(f"{r['case']:<24}{r['bytes_per_elem']:>8.2f}{r['kernel_us']:>11.1f}{r['copy_us']:>10.1f}"
                   f"{r['kernel_GBps']:>8.0f}{r['fraction']:>9.2f}")
         for r in data["small_step"]:
             print(f"{r['case']} {r['who']:<12} host {r['host_us']:.0f} us  step {r['step_us']:.0f} us  "
-                  f"kernels {r['kernels_per_step']}")
+                  f"kernels {r['kernels_per_step']} {r['kernels_by_name'] or ''}")
     if out:
         out.write_text(json.dumps(data, indent=1))
     return 0

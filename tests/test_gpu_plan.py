@@ -38,12 +38,17 @@ def test_time_caps_fit_one_device_call():
         kv = dict(f.split("=") for f in fields if "=" in f)
         steps = {k: int(v) for k, v in (f.split(":") for f in fields if ":" in f)}
         phases[name] = (int(kv["total"]), int(kv["budget"]), steps)
-    assert set(phases) == {"verify", "sanitize", "roofline", "bench"}
+    assert set(phases) == {"verify", "sanitize", "roofline", "bench", "jobs"}
     for name, (total, budget, steps) in phases.items():
         assert "build" in steps and list(steps)[:2] == ["env", "build"], name  # a fresh machine may come
         # the caps (plus the archive's reserve) add up to the budget at most, and the budget leaves
         # the device call a margin for its own start-up and the transfer
         assert total <= budget <= DEVICE_CALL_S - 30, (name, total, budget)
+    # the new kernels' steps are planned: the sanitizers' Triton pass, the SGD/Lion benchmark and
+    # the main job per optimizer family
+    assert "memcheck_triton" in phases["sanitize"][2]
+    assert "bench_sgd_lion" in phases["bench"][2]
+    assert {"main_job", "main_job_sgd", "main_job_lion"} <= set(phases["jobs"][2])
 
 
 def test_commit_stamp_is_not_tracked():
@@ -57,7 +62,7 @@ def test_commit_stamp_is_not_tracked():
     assert not tracked and not ignored
 
 
-def test_ncu_csv_parse(tmp_path):
+def test_ncu_csv_parse(tmp_path, capsys):
     from benchmarks.roofline import parse_ncu
 
     csv = tmp_path / "ncu.csv"
@@ -70,6 +75,28 @@ def test_ncu_csv_parse(tmp_path):
     k = parse_ncu(csv, 100)["void mta_kernel"]
     assert k["dram_bytes_per_elem"] == pytest.approx(28.0)
     assert k["shared_wavefronts_per_ld"] == pytest.approx(3.1)
+    # the 8-bit Adam call: its prepare kernel is profiled too, and the stall reasons are ranked
+    from benchmarks.roofline import STALL_PREFIX, STALL_SUFFIX, main as roof_main
+    prep = '"1","void mpfused::cuda::q8::prepare_kernel<448>(Table, long)","x",'
+    stall = lambda r, v: f'"0","void mta_kernel<Q8>(Meta)","WarpStateStats","{STALL_PREFIX}{r}{STALL_SUFFIX}","","{v}"\n'  # noqa: E731
+    csv.write_text('"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+                   '"0","void mta_kernel<Q8>(Meta)","x","dram__bytes_read.sum","byte","1000"\n'
+                   + prep + '"dram__bytes_read.sum","byte","6"\n'
+                   + stall("long_scoreboard", "7.5") + stall("barrier", "0.5") + stall("mio_throttle", "2"))
+    ks = parse_ncu(csv, 100)
+    assert set(ks) == {"void mta_kernel", "void mpfused::cuda::q8::prepare_kernel", "all kernels"}
+    assert ks["all kernels"]["dram_bytes_per_elem"] == pytest.approx(10.06)
+    assert list(ks["void mta_kernel"]["stall_top"]) == ["long_scoreboard", "mio_throttle", "barrier"]
+    capsys.readouterr()
+    assert roof_main(["--stall-metrics"]) == 0
+    names = capsys.readouterr().out.strip().split(",")
+    assert f"{STALL_PREFIX}long_scoreboard{STALL_SUFFIX}" in names and len(names) == len(set(names))
+    # the suite filters on both kernel names and asks for the stall reasons
+    text = SUITE.read_text()
+    assert '"regex:mta_kernel|prepare_kernel"' in text and "--section WarpStateStats" in text
+    csv.write_text('"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
+                   '"0","void mta_kernel<AdamFunctor<0>>(Meta)","x","dram__bytes_read.sum","byte","1,600"\n'
+                   '"0","void mta_kernel<AdamFunctor<0>>(Meta)","x","dram__bytes_write.sum","byte","1200"\n')
     # as the suite calls it: merged into the roofline JSON next to what is there
     from benchmarks.roofline import main
     out = tmp_path / "roofline.json"
@@ -86,10 +113,30 @@ def test_smoke_and_sanitizer_cases_run_on_cpu():
     from mpfused.ops import OPS
 
     backend = "native" if "native" in OPS["adam_step_"].available("cpu") else "reference"
+    ran = set()
     for case in gpu_smoke.cases([backend]):
+        if backend not in OPS[case[0]].available("cpu"):
+            continue  # the worker's SKIP (test_dry_run checks that line)
         ok, err, note = gpu_smoke.run_case(case, "cpu")
         assert ok, (case, err, note)
+        ran.add(case[0])
+    assert {"sgd_step_", "lion_step_"} <= ran or backend == "reference"
     assert sanitizer_driver.main(["--device", "cpu", "--backends", backend]) == 0
+
+
+def test_smoke_cases_cover_the_new_kernels():
+    """Every SGD variant x dtype x master mode, every Lion dtype x mode, the 8-bit forms (SGD
+    without the plain variant), each on native and Triton; the new families judged bit for bit."""
+    from benchmarks.smoke_cases import EXACT_FAMILIES, cases
+
+    cs = cases(["native", "triton"])
+    modes = lambda op, b: {(c[2], c[3]) for c in cs if c[0] == op and c[1] == b}  # noqa: E731
+    for b in ("native", "triton"):
+        assert len(modes("sgd_step_", b)) == 3 * 7 and len(modes("sgd8bit_step_", b)) == 2 * 7
+        assert len(modes("lion_step_", b)) == 7 and len(modes("lion8bit_step_", b)) == 7
+        assert ("bf16", "nesterov/remainder") in modes("sgd_step_", b)
+        assert not any(m.startswith("plain/") for _, m in modes("sgd8bit_step_", b))
+    assert set(EXACT_FAMILIES) == {"sgd_step_", "lion_step_", "sgd8bit_step_", "lion8bit_step_"}
 
 
 _TESTS_CUDA = '''
@@ -121,12 +168,13 @@ def test_dry_run(tmp_path):
     out = tmp_path / "OUT"
     (out / "stale.txt").parent.mkdir()
     env = dict(os.environ, MPFUSED_COMMIT="0123456789abcdef0123", GPU_SUITE_TEST_DEADLINE="3",
-               GPU_SUITE_SMOKE_ONLY="check_grads", GPU_SUITE_SAN_ONLY="update_scale_",
+               GPU_SUITE_SMOKE_ONLY="check_grads,sgd8bit_step_", GPU_SUITE_SAN_ONLY="update_scale_",
                GPU_SUITE_TESTS_CUDA="dry_tests/test_cuda_dry.py",
                GPU_SUITE_TESTS_REST="dry_tests/test_rest_dry.py", GPU_SUITE_CAP_tests_rest="8",
                # each step costs a process start-up (~5 s on 2 cores): these share memcheck's path,
                # ncu's CSV step is tested in test_ncu_csv_parse, the bench CLIs in test_bench
-               GPU_SUITE_STUB="racecheck,synccheck,initcheck,ncu,bench_scaler,bench_adamw,bench_8bit,main_job",
+               GPU_SUITE_STUB="racecheck,synccheck,memcheck_triton,initcheck,ncu,bench_scaler,bench_adamw,"
+                              "bench_8bit,bench_sgd_lion,main_job,main_job_sgd,main_job_lion",
                PYTHONPATH=os.pathsep.join([str(ROOT)] + sys.path[1:]))
     env.pop("TRITON_INTERPRET", None)
     r = subprocess.run(["bash", str(work / "benchmarks" / "gpu_suite.sh"), "--dry-run", str(out), "all"],
@@ -144,9 +192,18 @@ def test_dry_run(tmp_path):
     verdict = {m.group(2): m.group(1) for m in map(re.compile(r"^(PASS|FAIL|TIMEOUT|SKIP)\s+(\S+)").match, lines) if m}
     assert verdict == {"env": "PASS", "build": "PASS", "smoke": "PASS", "tests_cuda": "FAIL",
                        "tests_rest": "TIMEOUT", "memcheck": "PASS", "racecheck": "PASS",
-                       "synccheck": "PASS", "initcheck": "PASS", "roofline": "PASS", "ncu": "PASS",
-                       "wheels": "SKIP", "bench_scaler": "PASS", "bench_adamw": "PASS",
-                       "bench_8bit": "PASS", "main_job": "PASS"}, summary_txt
+                       "synccheck": "PASS", "memcheck_triton": "PASS", "initcheck": "PASS",
+                       "roofline": "PASS", "ncu": "PASS", "wheels": "SKIP", "bench_scaler": "PASS",
+                       "bench_adamw": "PASS", "bench_8bit": "PASS", "bench_sgd_lion": "PASS",
+                       "main_job": "PASS", "main_job_sgd": "PASS", "main_job_lion": "PASS"}, summary_txt
+    # the steps' own tallies: the smoke's counts (naming an op without a kernel here), the
+    # sanitizer driver's calls
+    from mpfused.ops import OPS
+    q8 = "native" in OPS["sgd8bit_step_"].available("cpu")
+    tally = [ln for ln in lines if ln.strip().startswith("smoke: ")]
+    assert len(tally) == 1 and "0 FAIL" in tally[0], summary_txt
+    assert q8 or "no kernel on cpu: sgd8bit_step_ native" in tally[0], tally
+    assert any(ln.strip().startswith("sanitizer driver: ") and " calls on cpu" in ln for ln in lines)
 
     with tarfile.open(out / "mpfused-gpu-all-0123456789ab.tgz") as tar:
         names = set(tar.getnames())
@@ -158,7 +215,14 @@ def test_dry_run(tmp_path):
         smoke = read("smoke.txt").splitlines()
         assert smoke[0].startswith("# commit 0123456789abcdef0123"), smoke[0]
         smoke = smoke[1:]
-        assert len(smoke) == 3 and all(s.startswith("PASS") for s in smoke), smoke
+        assert smoke[-1].startswith("smoke: all PASS"), smoke[-1]
+        smoke = smoke[:-1]
+        assert len([s for s in smoke if " check_grads " in s]) == 3, smoke
+        assert all(s.startswith("PASS") for s in smoke if " check_grads " in s), smoke
+        # an op without a kernel for the backend: one SKIP line per case, not a failure
+        q8 = [s for s in smoke if " sgd8bit_step_ " in s]
+        assert len(q8) == 14 and all(s.startswith("PASS" if OPS["sgd8bit_step_"].native_available("cpu")
+                                                  else "SKIP") for s in q8), q8
         # a hanging test fails by name at its deadline and the run goes on
         cuda = {c.get("name"): c for c in ET.fromstring(read("junit-cuda.xml")).iter("testcase")}
         assert set(cuda) == {"test_passes", "test_fails", "test_hangs"}
@@ -173,9 +237,16 @@ def test_dry_run(tmp_path):
         assert "test_before_interrupt" in rest
         # the roofline ran its CPU stand-in; JSONs carry the commit
         roof = json.loads(read("roofline.json"))
-        assert {k["case"] for k in roof["kernels"]} == {"adamw_fp32", "adamw8bit_fp32", "check_bf16"}
-        assert roof["kernels"][0]["bytes_per_elem"] == 28.0
-        assert {s["who"] for s in roof["small_step"]} == {"mpfused", "torch-fused"}
+        kern = {k["case"]: k for k in roof["kernels"]}
+        assert set(kern) == {"adamw_fp32", "adamw8bit_fp32", "check_bf16", "sgd_fp32",
+                             "sgd_momentum_fp32", "lion_fp32", "sgd8bit_fp32"}
+        # the bytes-moved models: AdamW 28, SGD 12 / 20 with momentum, Lion 20 (fp32)
+        assert [kern[c]["bytes_per_elem"] for c in ("adamw_fp32", "sgd_fp32", "sgd_momentum_fp32",
+                                                    "lion_fp32")] == [28.0, 12.0, 20.0, 20.0]
+        assert ("skipped" in kern["sgd8bit_fp32"]) != OPS["sgd8bit_step_"].native_available("cpu")
+        assert {(s["case"].split("_")[0], s["who"]) for s in roof["small_step"]} == {
+            ("adamw", "mpfused"), ("adamw", "torch-fused"), ("sgd", "mpfused"),
+            ("sgd", "torch-fused"), ("lion", "mpfused"), ("adamw8bit", "mpfused")}
         assert roof["suite_provenance"].startswith("commit 0123456789abcdef0123")
     # nothing was written outside OUT but the copy's own results folder
     assert not (work / "gpu_out").exists()
