@@ -21,6 +21,13 @@ CASES = {
     "AdamW8bit-bf16-master": (mpfused.AdamW8bit, torch.bfloat16, {"min_8bit_size": 512}),
     "AdamW8bit-bf16-remainder": (mpfused.AdamW8bit, torch.bfloat16,
                                  {"min_8bit_size": 512, "master_weights": "remainder"}),
+    "SGD-bf16-nesterov": (mpfused.SGD, torch.bfloat16, {"momentum": 0.9, "nesterov": True}),
+    "SGD-fp32-plain": (mpfused.SGD, torch.float32, {"weight_decay": 0.01}),
+    "Lion-bf16-stochastic": (mpfused.Lion, torch.bfloat16, {"master_weights": "none"}),
+    "SGD8bit-bf16-remainder": (mpfused.SGD8bit, torch.bfloat16,
+                               {"momentum": 0.9, "min_8bit_size": 512,
+                                "master_weights": "remainder"}),
+    "Lion8bit-bf16-master": (mpfused.Lion8bit, torch.bfloat16, {"min_8bit_size": 512}),
 }
 
 
@@ -93,6 +100,9 @@ def _backends():
 def test_release_equals_ordinary_step(case, backend):
     if backend == "triton" and case not in ("AdamW-bf16-stochastic", "AdamW8bit-bf16-master"):
         pytest.skip("the Triton interpreter is slow: two representative cases")
+    op = {mpfused.SGD8bit: "sgd8bit_step_", mpfused.Lion8bit: "lion8bit_step_"}.get(CASES[case][0])
+    if backend == "native" and op and not OPS[op].native_available("cpu"):
+        pytest.skip(f"{op} has no native CPU kernel in this build")
     steps = 50 if backend == "native" else 6
     resume = steps // 2
     ordinary = _train(case, False, backend, steps, resume_at=resume)

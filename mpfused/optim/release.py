@@ -40,7 +40,6 @@ import torch
 
 from mpfused.ops import amp as amp_ops
 from mpfused.optim._state_table import epoch as state_epoch, tracked
-from mpfused.optim.adamw import _hyper
 
 __all__ = ["GradRelease", "step_in_backward"]
 
@@ -275,7 +274,7 @@ class GradRelease:
             clip_sq = None
             if self.clip == "previous" and self._norm_sq_prev is not None:
                 clip_sq = self._norm_sq_prev.to(dev)
-            opt._launch(b, gs, group, _hyper(group, dev),
+            opt._launch(b, gs, group, opt._hyper(group, dev),
                         (self._scale_on(dev), found.to(dev), clip_sq,
                          float(opt.max_grad_norm or 0.0), opt._seed))
             self._record(None, norm_sq, dev)
