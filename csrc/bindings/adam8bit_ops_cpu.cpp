@@ -4,6 +4,7 @@
 #include "../cpu/adam8bit_cpu.h"
 #include "common.h"
 #include "op_signatures.h"
+#include "quant8_args.h"
 
 namespace mpfused::bind {
 namespace {
