@@ -5,16 +5,10 @@
 #include "common.h"
 #include "cpu_steps.h"
 #include "op_signatures.h"
+#include "quant8_args.h"
 
 namespace mpfused::bind {
 namespace {
-
-// The values of a map (CPU: read here): strictly increasing.
-void check_qmap_values(const at::Tensor& map, const char* what) {
-  const float* q = map.data_ptr<float>();
-  for (int i = 0; i + 1 < 256; ++i)
-    TORCH_CHECK(q[i] < q[i + 1], "mpfused: ", what, " must be strictly increasing (sorted)");
-}
 
 void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                        at::TensorList exp_avg_sqs, at::TensorList absmax1s,
@@ -33,13 +27,8 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
                           steps, block_size, master_mode, grad_scale, found_inf, norm_sq);
   check_qmap(qmap1, "qmap1 (signed map)", dev);
   check_qmap(qmap2, "qmap2 (unsigned map)", dev);
-  check_qmap_values(qmap1, "qmap1 (signed map)");
+  const int32_t zero_code = cpu_signed_map_zero_code(qmap1, "qmap1 (signed map)");
   check_qmap_values(qmap2, "qmap2 (unsigned map)");
-  const float* q1 = qmap1.data_ptr<float>();
-  int64_t zero_code = -1;
-  for (int i = 0; i < 256; ++i)
-    if (q1[i] == 0.f && !std::signbit(q1[i])) zero_code = i;
-  TORCH_CHECK(zero_code > 0, "mpfused: qmap1 must hold +0.0 above its lowest entry");
   // Skip on found_inf > 0: nothing is touched, step counters included. CPU tensors: no sync.
   const std::optional<float> grad_mult = cpu_grad_mult(grad_scale, found_inf, norm_sq, max_grad_norm);
   if (!grad_mult) return;
@@ -66,8 +55,8 @@ void adam8bit_step_cpu(at::TensorList params, at::TensorList grads, at::TensorLi
       sr_streams(param_ids, elem_offsets, params.size(), packed.index);
   cpu::Adam8bitConfig cfg{host_lr(lr, lr_tensor), beta1, beta2, float(eps), weight_decay,
                           *grad_mult, maximize, decoupled, int32_t(master_mode),
-                          uint64_t(seed), streams.data(), block_size, q1,
-                          qmap2.data_ptr<float>(), int32_t(zero_code)};
+                          uint64_t(seed), streams.data(), block_size, qmap1.data_ptr<float>(),
+                          qmap2.data_ptr<float>(), zero_code};
   cpu::adam8bit_step(lists, t.data(), cfg, at::get_num_threads());
   packed.finish();
   cpu_advance_steps(steps);

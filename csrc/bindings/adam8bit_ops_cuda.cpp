@@ -13,6 +13,7 @@
 #include "../cuda/adam8bit_cuda.h"
 #include "common.h"
 #include "op_signatures.h"
+#include "quant8_args.h"
 #include "cuda_steps.h"
 
 namespace mpfused::bind {

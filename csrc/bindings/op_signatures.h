@@ -51,5 +51,26 @@ using LionStepFn = void(at::TensorList params, at::TensorList grads, at::TensorL
                         const std::optional<at::Tensor>& found_inf,
                         const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
                         int64_t seed, at::IntArrayRef param_ids, at::IntArrayRef elem_offsets);
+using Sgd8bitStepFn = void(at::TensorList params, at::TensorList grads,
+                           at::TensorList momentum_buffers, at::TensorList absmaxs,
+                           at::TensorList masters, at::TensorList steps, const at::Tensor& qmap,
+                           int64_t block_size, double lr,
+                           const std::optional<at::Tensor>& lr_tensor, double momentum,
+                           double dampening, double weight_decay, bool nesterov, bool maximize,
+                           int64_t master_mode, const std::optional<at::Tensor>& grad_scale,
+                           const std::optional<at::Tensor>& found_inf,
+                           const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
+                           int64_t seed, at::IntArrayRef param_ids, at::IntArrayRef elem_offsets);
+
+using Lion8bitStepFn = void(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                            at::TensorList absmaxs, at::TensorList masters, at::TensorList steps,
+                            const at::Tensor& qmap, int64_t block_size, double lr,
+                            const std::optional<at::Tensor>& lr_tensor, double beta1,
+                            double beta2, double weight_decay, bool maximize,
+                            int64_t master_mode, const std::optional<at::Tensor>& grad_scale,
+                            const std::optional<at::Tensor>& found_inf,
+                            const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
+                            int64_t seed, at::IntArrayRef param_ids,
+                            at::IntArrayRef elem_offsets);
 
 }  // namespace mpfused::bind

@@ -31,7 +31,16 @@ MPF_HD LionScalars lion_scalars(double lr, double beta1, double beta2, double we
 // torch.sign in lion-pytorch and bitsandbytes' sign), and NaN stays NaN. That last is a deliberate
 // difference: torch.sign and bitsandbytes map NaN to 0, so a NaN gradient there makes a silent zero
 // step and a NaN moment that freezes the param for good; here the NaN shows in the weights.
-MPF_HD float sign_f32(float x) { return x > 0.f ? 1.f : (x < 0.f ? -1.f : x); }
+// On the bits, with integer compares only: a float compare of NaN may raise FP exceptions, so CPU
+// compilers (-ftrapping-math, the default) do not vectorize a second compare that only runs when
+// the first fails (AVX2 builds stayed scalar). Same results as
+// x > 0 ? 1 : (x < 0 ? -1 : x) for every float.
+MPF_HD float sign_f32(float x) {
+  const uint32_t u = f32_bits(x);
+  const uint32_t mag = u & 0x7FFFFFFFu;
+  const bool keep = mag == 0u || mag > 0x7F800000u;  // +-0 and NaN are their own sign
+  return bits_f32(keep ? u : (u & 0x80000000u) | 0x3F800000u);  // +-1 with x's sign
+}
 
 // One Lion update of the fp32 value w with its moment m:
 // w *= 1 - lr*wd; c = b1*m + (1-b1)*g; w -= lr * sign(c); m = b2*m + (1-b2)*g.
