@@ -36,7 +36,7 @@ NONE, FP32_MASTER, REMAINDER, STOCHASTIC = 0, 1, 2, 3
 
 # ---- state ------------------------------------------------------------------------------------
 def kernel_mode(dtype, mode):
-    """The mode a tensor actually gets (the CPU kernel's pick_kernel)."""
+    """The mode a tensor actually gets (the CPU engine's pick_elementwise_chunk)."""
     if dtype == F32:
         return NONE
     if dtype == F16:

@@ -57,7 +57,7 @@ SGD_LION_CPU = [u for u in ("sgd_cpu", "lion_cpu")
 UNITS = {
     "emulator_selftest": ([], []),
     "amp_adam_vs_cpu": (["amp_cuda", "adam_cuda", "step_counters_cuda"], ["amp_cpu", "adam_cpu"]),
-    "adam8bit_vs_cpu": (["adam8bit_cuda"], ["adam8bit_cpu"]),
+    "adam8bit_vs_cpu": (["adam8bit_cuda"], ["adam8bit_cpu", "quant8_cpu"]),  # isa_level()
     # Without csrc/cpu/sgd_cpu and lion_cpu the driver compares with its own loop over the shared
     # per-element functions (and says so).
     "sgd_lion_vs_cpu": (["sgd_cuda", "lion_cuda", "step_counters_cuda"], SGD_LION_CPU),

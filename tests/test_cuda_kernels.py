@@ -350,7 +350,8 @@ class AdamCase:
         before = [clones(x) for x in self.lists()]
         native("adam_step_", *self.args(self.lists()))
         ref_adam.adam_step_(*self.args(ref))
-        # fp16 params ignore the remainder/stochastic modes (cpu::pick_kernel): round to nearest.
+        # fp16 params ignore the remainder/stochastic modes (cpu::pick_elementwise_chunk): round
+        # to nearest.
         ref16 = None
         if self.mode in (MASTER_REMAINDER, MASTER_STOCHASTIC):
             ref16 = [clones(x) for x in before]

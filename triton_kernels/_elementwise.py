@@ -23,8 +23,8 @@ NO_MASTER, FP32_MASTER, REMAINDER, STOCHASTIC = 0, 1, 2, 3
 
 
 def kernel_mode(dtype: torch.dtype, master_mode: int) -> int:
-    # As the CPU kernel's pick_kernel: fp32 params are their own master; fp16 params have either
-    # an fp32 master or none (round to nearest); bf16 params take every mode.
+    # As the CPU engine's pick_elementwise_chunk: fp32 params are their own master; fp16 params
+    # have either an fp32 master or none (round to nearest); bf16 params take every mode.
     if dtype == torch.float32:
         return NO_MASTER
     if dtype == torch.float16:

@@ -226,8 +226,8 @@ inline std::vector<uint64_t> sr_streams(at::IntArrayRef param_ids, at::IntArrayR
   return out;
 }
 
-// The scalars and device pointers that every CUDA Adam config (fp32 and 8-bit state) takes
-// from the op's arguments: one filling, whatever the config struct.
+// The scalars and device pointers of cuda::Adam8bitConfig from the op's arguments (fp32-state
+// Adam fills cuda::StepCommon through run_elementwise_cuda instead).
 template <typename Config>
 void fill_adam_config(Config& cfg, const LrArg& lr_arg, double beta1, double beta2, double eps,
                       double weight_decay, const std::optional<at::Tensor>& grad_scale,

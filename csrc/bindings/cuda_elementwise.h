@@ -1,7 +1,7 @@
-// The torch side of a CUDA elementwise step (cuda::sgd_step, cuda::lion_step: the operands of
+// The torch side of a CUDA elementwise step (cuda::adam_step, sgd_step, lion_step: the operands of
 // elementwise_step.h), written once: device guard, lr, packing, the step and stream operands, the
-// device scalars of StepCommon, the launch, then the step counters. As adam_ops_cuda.cpp: every
-// scalar the kernel needs is read on the device, so no path syncs with the host (capturable).
+// device scalars of StepCommon, the launch, then the step counters. Every scalar the kernel
+// needs is read on the device, so no path syncs with the host (capturable).
 #pragma once
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>

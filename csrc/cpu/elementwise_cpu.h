@@ -1,6 +1,6 @@
-// The CPU multi-tensor engine of elementwise optimizers (SGD, Lion): chunking, OpenMP, per-ISA
-// clones, the master modes and the per-dtype kernel choice, written once; an algorithm plugs in
-// as a policy (its per-tensor scalars and its element function).
+// The CPU multi-tensor engine of elementwise optimizers (Adam, SGD, Lion): chunking, OpenMP,
+// per-ISA clones, the master modes and the per-dtype kernel choice, written once; an algorithm
+// plugs in as a policy (its per-tensor scalars and its element function).
 #pragma once
 #include <stdint.h>
 #include <vector>
@@ -59,8 +59,8 @@ template <typename P>
 using ElementwiseChunkFn = void (*)(void* const*, int64_t, int64_t, const typename P::Scalars&,
                                     uint64_t, uint64_t);
 
-// The master modes each dtype has (as adam_cpu.cpp): fp32 params are their own master, fp16 has
-// an fp32 master or none, bf16 every mode (remainders and stochastic rounding included).
+// The master modes each dtype has (every backend's rule): fp32 params are their own master, fp16
+// has an fp32 master or none, bf16 every mode (remainders and stochastic rounding included).
 template <typename P, int DEPTH>
 ElementwiseChunkFn<P> pick_elementwise_chunk(int32_t dtype, int mode) {
   switch (dtype) {

@@ -1,4 +1,5 @@
-// Per-tensor scalars of one CPU multi-tensor Adam step (fp32 and 8-bit state alike).
+// Per-tensor scalars of one CPU multi-tensor 8-bit Adam step (fp32-state Adam gets the same
+// from the elementwise engine: elementwise_cpu.h's elementwise_step, with the same reuse rule).
 #pragma once
 #include <stdint.h>
 #include <vector>

@@ -1,14 +1,14 @@
-// Generic CUDA multi-tensor elementwise optimizer step: adam_cuda.cu's kernel with the algorithm
-// left to a policy, so SGD and Lion (and any update that reads and writes only its own element)
-// share one kernel structure:
-//   * thread 0 of each block computes the tensor's scalars once (grad_mult exactly as AdamFunctor
-//     and the CPU bindings form it), shared through shared memory;
+// Generic CUDA multi-tensor elementwise optimizer step: the kernel structure, with the algorithm
+// left to a policy, that Adam/AdamW, SGD and Lion (and any update that reads and writes only its
+// own element) share:
+//   * thread 0 of each block computes the tensor's scalars once (grad_mult exactly as the CPU
+//     bindings form it), shared through shared memory;
 //   * found_inf > 0: every block leaves before touching anything (counters are advanced by
 //     increment_steps, which skips too);
 //   * 4-wide vectors when every operand of the chunk is aligned for them, else a scalar loop with
 //     kIlp elements in flight per thread (misaligned views, tails);
-//   * master modes per dtype as cpu::pick_kernel: fp32 params are their own master, fp16 keeps an
-//     fp32 master or none, bf16 takes every mode.
+//   * master modes per dtype as cpu::pick_elementwise_chunk: fp32 params are their own master,
+//     fp16 keeps an fp32 master or none, bf16 takes every mode.
 //
 // A policy P supplies
 //   using Config;   a struct with `StepCommon common` (elementwise_step.h) and its hyperparameters
@@ -155,11 +155,12 @@ __device__ __forceinline__ void range(const MtaChunk<kEwFixed + P::kStates>& c,
   }
 }
 
-// MODE is the requested master mode; the effective one per dtype is cpu::pick_kernel's.
+// MODE is the requested master mode; the effective one per dtype is
+// cpu::pick_elementwise_chunk's.
 template <typename P, int MODE>
 struct Functor {
-  // Two 512-thread blocks per SM (<= 64 registers), as AdamFunctor: one block's thread-0 setup
-  // and tail overlap the other's loads (tests/test_cuda_compile.py pins registers and spills).
+  // Two 512-thread blocks per SM (<= 64 registers): one block's thread-0 setup and tail
+  // overlap the other's loads (tests/test_cuda_compile.py pins registers and spills).
   static constexpr int kMinBlocksPerSm = 2;
   typename P::Config cfg;
 

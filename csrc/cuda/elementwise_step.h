@@ -1,4 +1,4 @@
-// What every CUDA elementwise step (elementwise_cuda.cuh: SGD, Lion) takes besides its own
+// What every CUDA elementwise step (elementwise_cuda.cuh: Adam, SGD, Lion) takes besides its own
 // hyperparameters: the operand order of its tensor lists and the device-read scalars. Torch-free
 // and host-includable (the bindings fill these).
 #pragma once
@@ -28,7 +28,7 @@ struct StepCommon {
   const float* norm_sq;     // sum of squares of the unscaled grads
   double max_grad_norm;     // clip when > 0 and norm_sq is given
   bool maximize;
-  int32_t master_mode;      // MasterMode, dispatched per dtype as cpu::pick_kernel
+  int32_t master_mode;      // MasterMode, dispatched per dtype as cpu::pick_elementwise_chunk
   uint64_t seed;            // stochastic rounding
 };
 

@@ -280,15 +280,20 @@ void run_adam(const AdamCase& k, uint64_t seed) {
     cpu::adam_step(L, steps.data(), c, 2);
   }
 
-  // Emulated CUDA calls: the step, then the counters.
+  // Emulated CUDA calls: the step, then the counters. Operands in the elementwise order
+  // (elementwise_step.h): param, grad, master, step, stream, then the moments.
   std::vector<std::vector<void*>> ptrs(cuda::kAdamDepth);
   std::vector<float*> counters;
   for (size_t i = 0; i < ts.size(); ++i) {
     AdamTensor& t = ts[i];
-    const auto ops = operands(t);
-    for (int d = 0; d < 6; ++d) ptrs[d].push_back(ops[d]);
-    ptrs[cuda::kStep].push_back(&t.step);
-    ptrs[cuda::kStream].push_back(reinterpret_cast<void*>(streams[i]));
+    ptrs[cuda::kEwParam].push_back(t.p.ptr());
+    ptrs[cuda::kEwGrad].push_back(t.g.ptr());
+    ptrs[cuda::kEwMaster].push_back(t.master.ptr());
+    ptrs[cuda::kEwStep].push_back(&t.step);
+    ptrs[cuda::kEwStream].push_back(reinterpret_cast<void*>(streams[i]));
+    ptrs[cuda::kAdamExpAvg].push_back(t.m.ptr());
+    ptrs[cuda::kAdamExpAvgSq].push_back(t.v.ptr());
+    ptrs[cuda::kAdamMaxExpAvgSq].push_back(t.vmax.ptr());
     counters.push_back(&t.step);
   }
   TensorLists<cuda::kAdamDepth> L{};
@@ -297,12 +302,13 @@ void run_adam(const AdamCase& k, uint64_t seed) {
   L.dtype = dtype.data();
   L.size = n;
   cuda::AdamConfig cfg{};
-  emu_test::fill_adam_config(cfg, k, {&lr, &grad_scale, &found, &norm_sq, max_grad_norm});
+  emu_test::fill_step_common(cfg.common, k, {&lr, &grad_scale, &found, &norm_sq, max_grad_norm});
+  emu_test::fill_adam_hyperparameters(cfg, k);
   cfg.amsgrad = k.amsgrad;
   mpf_emulation::max_blocks_per_launch = k.max_blocks;
   EXPECT(cuda::adam_step(L, cfg, nullptr) == cudaSuccess, "%s: adam_step", k.name);
   mpf_emulation::max_blocks_per_launch = int64_t(1) << 30;
-  EXPECT(cuda::increment_steps(counters.data(), n, cfg.found_inf, nullptr) == cudaSuccess,
+  EXPECT(cuda::increment_steps(counters.data(), n, cfg.common.found_inf, nullptr) == cudaSuccess,
          "%s: increment_steps", k.name);
   EXPECT(cudaGetLastError() == cudaSuccess, "%s: error left behind", k.name);
 
@@ -404,8 +410,10 @@ int main(int argc, char** argv) {
     const long long before = mpf_emulation::launch_state.launches;
     run_adam(c, seed++);
     const long long got = mpf_emulation::launch_state.launches - before;
-    const long long per = large ? cuda::MtaMeta<cuda::kAdamDepth, cuda::kMaxParamBytesLarge>::kMaxTensors
-                                : cuda::MtaMeta<cuda::kAdamDepth>::kMaxTensors;
+    // Without AMSGrad a launch carries no max_exp_avg_sq operand: kAdamDepth - 1 per tensor.
+    constexpr int kDepth = cuda::kAdamDepth - 1;
+    const long long per = large ? cuda::MtaMeta<kDepth, cuda::kMaxParamBytesLarge>::kMaxTensors
+                                : cuda::MtaMeta<kDepth>::kMaxTensors;
     const long long steps = large ? 4000 : 500;
     const long long want = (1000 + per - 1) / per + (1000 + steps - 1) / steps;
     EXPECT(got == want, "%s (%s params): %lld launches, expected %lld", c.name,

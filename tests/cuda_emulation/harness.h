@@ -61,8 +61,8 @@ constexpr uint64_t kSeed = 1234;
 // the position, as the optimizers pass them.
 inline uint64_t test_stream(int64_t i) { return mpfused::sr_stream(uint64_t(7 + 3 * i), uint64_t(1000 * i)); }
 
-// The fields cuda::AdamConfig and cuda::Adam8bitConfig share, as both programs set them from a
-// test case (host floats stand in for the device scalars).
+// The device scalars of a case (host floats stand in for them): cuda::StepCommon's fields, which
+// cuda::Adam8bitConfig has too.
 struct AdamScalarsIn {
   float* lr;
   float* grad_scale;
@@ -70,22 +70,34 @@ struct AdamScalarsIn {
   float* norm_sq;
   double max_grad_norm;
 };
+template <typename Common, typename Case>
+void fill_step_common(Common& c, const Case& k, const AdamScalarsIn& in) {
+  c.lr = k.lr_ptr ? 0.0 : double(*in.lr);
+  c.lr_ptr = k.lr_ptr ? in.lr : nullptr;
+  c.grad_scale = k.grad_scale ? in.grad_scale : nullptr;
+  c.found_inf = k.has_found ? in.found_inf : nullptr;
+  c.norm_sq = k.clip ? in.norm_sq : nullptr;
+  c.max_grad_norm = in.max_grad_norm;
+  c.maximize = k.maximize;
+  c.master_mode = k.mode;
+  c.seed = kSeed;
+}
+
+// Adam's hyperparameters, the same in cuda::AdamConfig and cuda::Adam8bitConfig.
 template <typename Config, typename Case>
-void fill_adam_config(Config& cfg, const Case& k, const AdamScalarsIn& in) {
-  cfg.lr = k.lr_ptr ? 0.0 : double(*in.lr);
-  cfg.lr_ptr = k.lr_ptr ? in.lr : nullptr;
+void fill_adam_hyperparameters(Config& cfg, const Case& k) {
   cfg.beta1 = kBeta1;
   cfg.beta2 = kBeta2;
   cfg.eps = kEps;
   cfg.weight_decay = kWeightDecay;
-  cfg.grad_scale = k.grad_scale ? in.grad_scale : nullptr;
-  cfg.found_inf = k.has_found ? in.found_inf : nullptr;
-  cfg.norm_sq = k.clip ? in.norm_sq : nullptr;
-  cfg.max_grad_norm = in.max_grad_norm;
-  cfg.maximize = k.maximize;
   cfg.decoupled = k.decoupled;
-  cfg.master_mode = k.mode;
-  cfg.seed = kSeed;
+}
+
+// cuda::Adam8bitConfig, whose scalars are its own fields (cuda::AdamConfig has them in `common`).
+template <typename Config, typename Case>
+void fill_adam_config(Config& cfg, const Case& k, const AdamScalarsIn& in) {
+  fill_step_common(cfg, k, in);
+  fill_adam_hyperparameters(cfg, k);
 }
 
 constexpr size_t kGuard = 64;  // guard bytes on each side of every buffer

@@ -9,7 +9,7 @@
 // The CPU side is cpu::sgd_step / cpu::lion_step (csrc/cpu/sgd_cpu.h, lion_cpu.h) with the CPU
 // bindings' host-side grad_mult and lr. In a tree without those kernels it is a scalar loop over
 // the same shared per-element functions (sgd_element / lion_element between load_weight and
-// store_weight, cpu::pick_kernel's per-dtype modes); the program says which it used.
+// store_weight, cpu::pick_elementwise_chunk's per-dtype modes); the program says which it used.
 //
 // usage: sgd_lion_vs_cpu [seed]
 #include <cuda_runtime.h>
@@ -115,8 +115,8 @@ void expected_step(std::vector<Tensor>& ref, const Case& k, double lr, float gm,
 #else
 constexpr const char* kExpected = "the per-element loop (no cpu::sgd_step / lion_step here)";
 
-// cpu::pick_kernel's choice: f(T{}, integral_constant<MODE>) with the effective storage type and
-// master mode of a tensor.
+// cpu::pick_elementwise_chunk's choice: f(T{}, integral_constant<MODE>) with the effective
+// storage type and master mode of a tensor.
 template <typename F>
 void dispatch(int dtype, int mode, F&& f) {
   using NoM = std::integral_constant<int, kNoMaster>;
