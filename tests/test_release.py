@@ -206,26 +206,56 @@ def test_non_finite_storm_skips_exactly_the_buckets_that_hold_it(dtype, with_sca
 
 
 def test_previous_norm_clipping_matches_its_definition():
-    """clip='previous': step t clips with the global norm of step t-1's grads (the first step is
-    not clipped), i.e. the ordinary step with norm_sq set to the previous step's."""
+    """clip='previous': each release bucket clips with coefficient min(1, max_norm / (norm +
+    1e-6)), norm = sqrt(max(previous step's squared global norm, this step's squared norm of the
+    grads released so far, the bucket's own included)); a bucket with an inf/NaN is not updated
+    and adds nothing to the norm. One param per bucket (bucket_bytes=1), in the order the backward
+    releases them (seen by hooks registered before release's), against a twin stepped without
+    clipping on grads pre-multiplied by the coefficients this rule gives. Both sides of the max
+    occur, and the old rule (previous norm only, first step unclipped) fails it."""
+    max_norm, bad = 0.05, (3, 2)  # step 3: param 2's grad gets an inf
     model, twin = _model(torch.float32), _model(torch.float32)
-    opt = mpfused.AdamW(model.parameters(), lr=1e-2, max_grad_norm=0.05)
-    twin_opt = mpfused.AdamW(twin.parameters(), lr=1e-2, max_grad_norm=0.05)
-    mpfused.step_in_backward(opt, clip="previous", bucket_bytes=2048)
-    prev = None
+    opt = mpfused.AdamW(model.parameters(), lr=1e-2, max_grad_norm=max_norm)
+    twin_opt = mpfused.AdamW(twin.parameters(), lr=1e-2)
+    released = []  # (param index, sum of squares of its grad), in release order
+    now = {"step": 0}
+
+    def make(i):
+        def hook(p):
+            if (now["step"], i) == bad:
+                p.grad.view(-1)[0] = float("inf")
+            released.append((i, p.grad.double().square().sum().item()))
+        return hook
+    for i, p in enumerate(model.parameters()):
+        p.register_post_accumulate_grad_hook(make(i))
+    mpfused.step_in_backward(opt, clip="previous", bucket_bytes=1)
+    twin_params = list(twin.parameters())
+    prev, sides = 0.0, set()
     gen = torch.Generator().manual_seed(3)
-    for _ in range(6):
-        x = torch.randn(6, 24, generator=gen)
+    for step in range(8):
+        now["step"] = step
+        released.clear()
+        x = torch.randn(6, 24, generator=gen) * (1.0 if step % 2 else 3.0)
         _loss(model, x).backward()
         _loss(twin, x).backward()
-        norm_sq = sum(p.grad.double().square().sum() for p in twin.parameters()).float()
-        twin_opt.grad_norm_sq = prev if prev is not None else torch.zeros(())
+        assert sorted(i for i, _ in released) == list(range(len(twin_params)))
+        so_far = 0.0
+        for i, sq in released:
+            if (step, i) == bad:
+                twin_params[i].grad = None
+                continue
+            so_far += sq
+            if step:
+                sides.add(so_far > prev)
+            twin_params[i].grad.mul_(min(1.0, max_norm / (max(prev, so_far) ** 0.5 + 1e-6)))
+        prev = so_far
         twin_opt.step()
-        del twin_opt.grad_norm_sq
         twin_opt.zero_grad()
-        prev = norm_sq
-        for a, b in zip(model.parameters(), twin.parameters()):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        opt.step()
+        opt.zero_grad()
+        for a, b in zip(_snapshot(model, opt), _snapshot(twin, twin_opt)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert sides == {True, False}
 
 
 def test_refusals_are_clear():

@@ -20,8 +20,11 @@ Rules (README, "Gradient release"):
   other buckets are. All-or-nothing is impossible once earlier buckets have stepped;
   ``release.skipped`` counts the skipped buckets of the last backward (a device tensor).
 * Clipping by the global norm cannot be known before the first update: ``max_grad_norm`` is
-  refused unless ``clip="previous"``: each step clips with the global norm of the previous
-  step's grads (the first step is not clipped). Its deviation from exact clipping is measured in
+  refused unless ``clip="previous"``: each release bucket clips with the larger of the previous
+  step's global norm and the norm of this step's grads released so far (this bucket's
+  included). The latter never exceeds the true norm, so a bucket is never clipped less than the
+  step's grads already prove necessary; the first step is clipped by it alone. Buckets with an
+  inf/NaN count for neither. Its deviation from exact clipping is measured in
   tests/test_release.py.
 * DDP: ``step_in_backward(opt, ddp=model)`` steps each DDP bucket as soon as its all-reduce is
   done (a DDP communication hook, as torch's optimizer-overlap hooks), bit-identical to the
@@ -52,7 +55,8 @@ def step_in_backward(optimizer, *, scaler=None, bucket_bytes: int = DEFAULT_BUCK
     """Attach gradient release to an mpfused optimizer; returns the handle (``.accumulate()``,
     ``.skipped``, ``.remove()``). ``scaler``: the ``mpfused.GradScaler`` the losses are scaled
     with (its scale unscales the grads in the kernel). ``clip="previous"``: clip with the previous
-    step's global norm (needed with ``max_grad_norm``). ``ddp``: the
+    step's global norm, or this step's norm so far where larger (needed with
+    ``max_grad_norm``). ``ddp``: the
     ``DistributedDataParallel`` model the optimizer's params belong to: each DDP bucket steps as
     soon as its all-reduce is done (a DDP communication hook), with the averaged grads."""
     return GradRelease(optimizer, scaler=scaler, bucket_bytes=bucket_bytes, clip=clip, ddp=ddp)
@@ -214,9 +218,9 @@ class GradRelease:
         self._found = {}
         self.skipped = torch.zeros((), dtype=torch.int32, device=device)
         if self.clip == "previous":
-            prev = self._norm_sq_next  # a non-finite norm (a skipped bucket) clips nothing
+            prev = self._norm_sq_next  # (an overflowed, non-finite norm clips nothing)
             self._norm_sq_prev = None if prev is None else torch.where(
-                torch.isfinite(prev), prev, torch.zeros_like(prev))
+                torch.isfinite(prev), prev, torch.zeros_like(prev)).to(device)
             self._norm_sq_next = None
         if queue_end:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -271,15 +275,29 @@ class GradRelease:
         found = checked[0][3]
         for _, _, _, f, _ in checked[1:]:
             found = torch.maximum(found, f.to(found.device))
-        for b, gs, dev, _, norm_sq in checked:
-            clip_sq = None
-            if self.clip == "previous" and self._norm_sq_prev is not None:
-                clip_sq = self._norm_sq_prev.to(dev)
+        clip_sq = self._clip_norm_sq(found, [c[4] for c in checked])
+        for b, gs, dev, _, _ in checked:
             opt._launch(b, gs, group, _hyper(group, dev),
-                        (self._scale_on(dev), found.to(dev), clip_sq,
+                        (self._scale_on(dev), found.to(dev),
+                         None if clip_sq is None else clip_sq.to(dev),
                          float(opt.max_grad_norm or 0.0), opt._seed))
-            self._record(None, norm_sq, dev)
-        self._record(found, None, found.device)
+        self._record(found)
+
+    def _clip_norm_sq(self, found, parts: list):
+        """clip='previous': the squared norm this release bucket clips with, max(previous step's,
+        this step's so far), coefficient min(1, max_norm / norm) as in the ordinary step. A
+        bucket with an inf/NaN (not updated) adds nothing to this step's norm."""
+        if self.clip != "previous":
+            return None
+        dev = self.skipped.device
+        part = parts[0].to(dev)
+        for q in parts[1:]:
+            part = part + q.to(dev)
+        part = torch.where(found.to(dev) > 0, torch.zeros_like(part), part)
+        so_far = part if self._norm_sq_next is None else self._norm_sq_next + part
+        self._norm_sq_next = so_far
+        prev = self._norm_sq_prev
+        return so_far if prev is None else torch.maximum(prev, so_far)
 
     def _plan_for(self, group_index: int, ready: tuple, grads: list):
         """The kernel plan of these ready params (cached: the same sets come every step), made by
@@ -313,12 +331,7 @@ class GradRelease:
         amp_ops.check_grads(grads, found, inv, norm_sq, None, backend=self.optimizer._backend)
         return found, norm_sq
 
-    def _record(self, found, norm_sq, device) -> None:
-        if found is not None:
-            prev = self._found.get(device)
-            self._found[device] = found.clone() if prev is None else torch.maximum(prev, found)
-            self.skipped += (found > 0).to(torch.int32).to(self.skipped.device)
-        if norm_sq is not None:
-            norm_sq = norm_sq.to(self.skipped.device)
-            self._norm_sq_next = (norm_sq if self._norm_sq_next is None
-                                  else self._norm_sq_next + norm_sq)
+    def _record(self, found) -> None:
+        prev = self._found.get(found.device)
+        self._found[found.device] = found.clone() if prev is None else torch.maximum(prev, found)
+        self.skipped += (found > 0).to(torch.int32).to(self.skipped.device)
