@@ -10,8 +10,10 @@ the bucket), so without clipping the params, masters and state are bit-identical
 Rules (README, "Gradient release"):
 
 * ``opt.step()`` and ``opt.zero_grad()`` stay valid and change nothing while attached (their
-  hooks and LR schedulers still run). ``scaler.step(opt)`` hands the scaler what the backward
-  found; ``scaler.update()`` backs off as usual.
+  hooks and LR schedulers still run), except on an optimizer with no state yet given grads by
+  hand, as DCP's ``get_state_dict`` does to make the state it loads into: that ``step()`` is
+  the ordinary one. ``scaler.step(opt)`` hands the scaler what the backward found;
+  ``scaler.update()`` backs off as usual.
 * Gradient accumulation: backward passes under ``with release.accumulate():`` keep their grads;
   the next backward outside it steps with the accumulated grads and frees them (exact).
 * Non-finite grads: every release bucket (``bucket_bytes`` of params adjacent in backward order;
@@ -25,7 +27,8 @@ Rules (README, "Gradient release"):
   included). The latter never exceeds the true norm, so a bucket is never clipped less than the
   step's grads already prove necessary; the first step is clipped by it alone. Buckets with an
   inf/NaN count for neither. Its deviation from exact clipping is measured in
-  tests/test_release.py.
+  tests/test_release.py; the previous norm is in ``release.state_dict()`` (save it with the
+  optimizer's).
 * DDP: ``step_in_backward(opt, ddp=model)`` steps each DDP bucket as soon as its all-reduce is
   done (a DDP communication hook, as torch's optimizer-overlap hooks), bit-identical to the
   ordinary DDP step; DDP keeps its own grad buckets, so the win there is the overlap, not the
@@ -55,8 +58,8 @@ def step_in_backward(optimizer, *, scaler=None, bucket_bytes: int = DEFAULT_BUCK
     """Attach gradient release to an mpfused optimizer; returns the handle (``.accumulate()``,
     ``.skipped``, ``.remove()``). ``scaler``: the ``mpfused.GradScaler`` the losses are scaled
     with (its scale unscales the grads in the kernel). ``clip="previous"``: clip with the previous
-    step's global norm, or this step's norm so far where larger (needed with
-    ``max_grad_norm``). ``ddp``: the
+    step's global norm, or this step's norm so far where larger (needed with ``max_grad_norm``;
+    the handle's ``state_dict()`` carries it across a checkpoint). ``ddp``: the
     ``DistributedDataParallel`` model the optimizer's params belong to: each DDP bucket steps as
     soon as its all-reduce is done (a DDP communication hook), with the averaged grads."""
     return GradRelease(optimizer, scaler=scaler, bucket_bytes=bucket_bytes, clip=clip, ddp=ddp)
@@ -104,7 +107,7 @@ class GradRelease:
         self.optimizer, self.scaler, self.bucket_bytes, self.clip = (optimizer, scaler,
                                                                      bucket_bytes, clip)
         self.skipped: torch.Tensor | None = None
-        self._accumulating = False
+        self._accumulating = self._pending = False
         self._handles = []
         self._chunk_of: dict[int, tuple[_Chunk, int]] = {}  # id(param) -> (chunk, index)
         self._chunks: list[_Chunk] = []
@@ -164,6 +167,7 @@ class GradRelease:
         """Backward passes inside keep (and accumulate) their grads; the first backward after it
         steps with the accumulated grads. Under DDP it is also ``ddp.no_sync()``."""
         previous, self._accumulating = self._accumulating, True
+        self._pending = True  # grads kept for a later backward: opt.step() must not take them
         try:
             with self._ddp.no_sync() if self._ddp is not None else contextlib.nullcontext():
                 yield self
@@ -173,6 +177,31 @@ class GradRelease:
     def step_done(self) -> None:
         """Called by ``opt.step()``: the next grad that arrives belongs to a new step."""
         self._in_backward = False
+        opt = self.optimizer
+        # An optimizer with no state yet, given grads by hand (not by an accumulating backward):
+        # torch.distributed.checkpoint's get_state_dict makes the state to load into this way
+        # (zero grads, lr 0, then step()); without this step it would silently load no state.
+        if (not opt.state and not self._pending
+                and any(p.grad is not None for g in opt.param_groups for p in g["params"])):
+            opt._grad_release = None
+            try:
+                opt.step()
+            finally:
+                opt._grad_release = self
+
+    def state_dict(self) -> dict:
+        """What the handle carries from step to step: with clip='previous', the previous step's
+        squared global norm (a 0-dim float32 tensor; 0 before the first step). Save it with the
+        optimizer's state (DCP: pass the handle itself, it is Stateful) for an exact resume."""
+        if self.clip is None:
+            return {}
+        norm_sq = self._norm_sq_next
+        return {"clip_norm_sq": torch.zeros((), dtype=torch.float32) if norm_sq is None
+                else norm_sq.detach().clone()}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self.clip is not None and "clip_norm_sq" in state_dict:
+            self._norm_sq_next = state_dict["clip_norm_sq"].detach().clone()
 
     def found_inf_per_device(self) -> dict:
         """For ``GradScaler.step``: the non-finite flags (0/1) of the last backward."""
@@ -214,7 +243,7 @@ class GradRelease:
             self._step_ready(gi, tuple(i for i, _ in items), [g for _, g in items])
 
     def _start_backward(self, device, queue_end: bool = True) -> None:
-        self._in_backward = True
+        self._in_backward, self._pending = True, False
         self._found = {}
         self.skipped = torch.zeros((), dtype=torch.int32, device=device)
         if self.clip == "previous":
