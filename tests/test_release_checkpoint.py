@@ -61,9 +61,9 @@ def test_dcp_checkpoint_mid_release_run_resumes_bit_identically(case, tmp_path):
     loaded into a fresh run whose release handle was attached before the load, continued to
     STEPS: params, masters / remainders, moments, 8-bit codes and step counts equal the
     uninterrupted run's bit for bit. Two controls show the test can fail: without the handle's
-    state (the previous step's norm) the resumed run differs, and the optimizer state really was
-    loaded (DCP's get_state_dict makes the state to load into with a step() on zero grads, which
-    release must not swallow)."""
+    state (the previous step's per-param sums of squares) the resumed run differs, and the
+    optimizer state really was loaded (DCP's get_state_dict makes the state to load into with a
+    step() on zero grads, which release must not swallow)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -83,9 +83,9 @@ def test_dcp_checkpoint_mid_release_run_resumes_bit_identically(case, tmp_path):
         resumed = _resume(case, ckpt)
         no_norm = _resume(case, ckpt, with_release_state=False)
     _assert_identical(_snapshot(resumed[0], resumed[1]), saved)  # the whole state was loaded
-    assert torch.equal(resumed[3].state_dict()["clip_norm_sq"],
-                       run[3].state_dict()["clip_norm_sq"])
-    assert run[3].state_dict()["clip_norm_sq"] > MAX_NORM ** 2  # the norm clips: it matters
+    assert torch.equal(resumed[3].state_dict()["clip_sq_per_param"],
+                       run[3].state_dict()["clip_sq_per_param"])
+    assert run[3].state_dict()["clip_sq_per_param"].sum() > MAX_NORM ** 2  # it clips: it matters
 
     _train(resumed, range(SAVE_AT, STEPS), dtype)
     _train(no_norm, range(SAVE_AT, STEPS), dtype)

@@ -22,13 +22,12 @@ Rules (README, "Gradient release"):
   other buckets are. All-or-nothing is impossible once earlier buckets have stepped;
   ``release.skipped`` counts the skipped buckets of the last backward (a device tensor).
 * Clipping by the global norm cannot be known before the first update: ``max_grad_norm`` is
-  refused unless ``clip="previous"``: each release bucket clips with the larger of the previous
-  step's global norm and the norm of this step's grads released so far (this bucket's
-  included). The latter never exceeds the true norm, so a bucket is never clipped less than the
-  step's grads already prove necessary; the first step is clipped by it alone. Buckets with an
-  inf/NaN count for neither. Its deviation from exact clipping is measured in
-  tests/test_release.py; the previous norm is in ``release.state_dict()`` (save it with the
-  optimizer's).
+  refused unless ``clip="previous"``: each release bucket clips with the norm of this step's
+  grads released so far (its own included) plus the previous step's norm of the grads not
+  released yet (``_release_clip.py``): never less than the grads already seen prove necessary,
+  exact for the step's last bucket. Its deviation from exact clipping is measured in
+  tests/test_release.py; the previous step's per-param sums are in ``release.state_dict()``
+  (save it with the optimizer's).
 * DDP: ``step_in_backward(opt, ddp=model)`` steps each DDP bucket as soon as its all-reduce is
   done (a DDP communication hook, as torch's optimizer-overlap hooks), bit-identical to the
   ordinary DDP step; DDP keeps its own grad buckets, so the win there is the overlap, not the
@@ -45,6 +44,7 @@ from collections import defaultdict
 import torch
 
 from mpfused.ops import amp as amp_ops
+from mpfused.optim._release_clip import PreviousNormClip
 from mpfused.optim._state_table import epoch as state_epoch, tracked
 from mpfused.optim.adamw import _hyper
 
@@ -57,9 +57,10 @@ def step_in_backward(optimizer, *, scaler=None, bucket_bytes: int = DEFAULT_BUCK
                      clip: str | None = None, ddp=None) -> "GradRelease":
     """Attach gradient release to an mpfused optimizer; returns the handle (``.accumulate()``,
     ``.skipped``, ``.remove()``). ``scaler``: the ``mpfused.GradScaler`` the losses are scaled
-    with (its scale unscales the grads in the kernel). ``clip="previous"``: clip with the previous
-    step's global norm, or this step's norm so far where larger (needed with ``max_grad_norm``;
-    the handle's ``state_dict()`` carries it across a checkpoint). ``ddp``: the
+    with (its scale unscales the grads in the kernel). ``clip="previous"``: clip each bucket
+    with this step's norm so far plus the previous step's norm of the grads still to come
+    (needed with ``max_grad_norm``; the handle's ``state_dict()`` carries it across a
+    checkpoint). ``ddp``: the
     ``DistributedDataParallel`` model the optimizer's params belong to: each DDP bucket steps as
     soon as its all-reduce is done (a DDP communication hook), with the averaged grads."""
     return GradRelease(optimizer, scaler=scaler, bucket_bytes=bucket_bytes, clip=clip, ddp=ddp)
@@ -113,8 +114,11 @@ class GradRelease:
         self._chunks: list[_Chunk] = []
         self._in_backward = False
         self._found: dict[torch.device, torch.Tensor] = {}
-        self._norm_sq_next: torch.Tensor | None = None
-        self._norm_sq_prev: torch.Tensor | None = None
+        self._clip = PreviousNormClip(optimizer) if clip == "previous" else None
+        self._group_base = [0]  # flat position of each group's first param (for the clip)
+        for g in optimizer.param_groups:
+            self._group_base.append(self._group_base[-1] + len(g["params"]))
+        self._clip_ids: dict[tuple, torch.Tensor] = {}  # plan key -> its params' flat positions
         self._epoch = self._state_obj = None
         self._plans: dict[tuple, object] = {}  # (group index, ready indices) -> GroupPlan
         self._slots: dict[int, list] = {}  # group index -> its grad list (see _step_ready)
@@ -190,18 +194,15 @@ class GradRelease:
                 opt._grad_release = self
 
     def state_dict(self) -> dict:
-        """What the handle carries from step to step: with clip='previous', the previous step's
-        squared global norm (a 0-dim float32 tensor; 0 before the first step). Save it with the
-        optimizer's state (DCP: pass the handle itself, it is Stateful) for an exact resume."""
-        if self.clip is None:
-            return {}
-        norm_sq = self._norm_sq_next
-        return {"clip_norm_sq": torch.zeros((), dtype=torch.float32) if norm_sq is None
-                else norm_sq.detach().clone()}
+        """What the handle carries from step to step: with clip='previous', the last step's sum of
+        squares of each param's grad (float32, the optimizer's flat param order); else nothing.
+        Save it with the optimizer's state (DCP: pass the handle itself, it is Stateful) for an
+        exact resume."""
+        return {} if self._clip is None else self._clip.state_dict()
 
     def load_state_dict(self, state_dict: dict) -> None:
-        if self.clip is not None and "clip_norm_sq" in state_dict:
-            self._norm_sq_next = state_dict["clip_norm_sq"].detach().clone()
+        if self._clip is not None:
+            self._clip.load_state_dict(state_dict)
 
     def found_inf_per_device(self) -> dict:
         """For ``GradScaler.step``: the non-finite flags (0/1) of the last backward."""
@@ -246,11 +247,8 @@ class GradRelease:
         self._in_backward, self._pending = True, False
         self._found = {}
         self.skipped = torch.zeros((), dtype=torch.int32, device=device)
-        if self.clip == "previous":
-            prev = self._norm_sq_next  # (an overflowed, non-finite norm clips nothing)
-            self._norm_sq_prev = None if prev is None else torch.where(
-                torch.isfinite(prev), prev, torch.zeros_like(prev)).to(device)
-            self._norm_sq_next = None
+        if self._clip is not None:
+            self._clip.start(device)
         if queue_end:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -304,7 +302,10 @@ class GradRelease:
         found = checked[0][3]
         for _, _, _, f, _ in checked[1:]:
             found = torch.maximum(found, f.to(found.device))
-        clip_sq = self._clip_norm_sq(found, [c[4] for c in checked])
+        clip_sq = None
+        if self._clip is not None:  # one norm for the release bucket, from all its parts
+            sq = torch.cat([c[4].to(self.skipped.device) for c in checked])
+            clip_sq = self._clip.norm_sq_for(self._ids_of(group_index, ready, plan), sq, found)
         for b, gs, dev, _, _ in checked:
             opt._launch(b, gs, group, _hyper(group, dev),
                         (self._scale_on(dev), found.to(dev),
@@ -312,21 +313,14 @@ class GradRelease:
                          float(opt.max_grad_norm or 0.0), opt._seed))
         self._record(found)
 
-    def _clip_norm_sq(self, found, parts: list):
-        """clip='previous': the squared norm this release bucket clips with, max(previous step's,
-        this step's so far), coefficient min(1, max_norm / norm) as in the ordinary step. A
-        bucket with an inf/NaN (not updated) adds nothing to this step's norm."""
-        if self.clip != "previous":
-            return None
-        dev = self.skipped.device
-        part = parts[0].to(dev)
-        for q in parts[1:]:
-            part = part + q.to(dev)
-        part = torch.where(found.to(dev) > 0, torch.zeros_like(part), part)
-        so_far = part if self._norm_sq_next is None else self._norm_sq_next + part
-        self._norm_sq_next = so_far
-        prev = self._norm_sq_prev
-        return so_far if prev is None else torch.maximum(prev, so_far)
+    def _ids_of(self, group_index: int, ready: tuple, plan) -> torch.Tensor:
+        """Flat positions of the plan's params, in the order its buckets check them."""
+        ids = self._clip_ids.get((group_index, ready))
+        if ids is None:
+            base = self._group_base[group_index]
+            ids = self._clip_ids[(group_index, ready)] = torch.tensor(
+                [base + i for b in plan.buckets for i in b.indices], device=self.skipped.device)
+        return ids
 
     def _plan_for(self, group_index: int, ready: tuple, grads: list):
         """The kernel plan of these ready params (cached: the same sets come every step), made by
@@ -334,9 +328,10 @@ class GradRelease:
         opt = self.optimizer
         if self._epoch != state_epoch() or opt.state is not self._state_obj:
             opt.state = tracked(opt.state)
-            self._plans = {}
+            self._plans, self._clip_ids = {}, {}
         plan = self._plans.get((group_index, ready))
         if plan is None:
+            self._clip_ids.pop((group_index, ready), None)
             plan = self._plans[(group_index, ready)] = opt._plan(
                 group_index, opt.param_groups[group_index], grads, cache=False)
             self._epoch, self._state_obj = state_epoch(), opt.state
@@ -349,16 +344,16 @@ class GradRelease:
         return s._scale.to(device)
 
     def _check(self, grads, device):
-        """The bucket's non-finite flag (0/1) and, for clip='previous', its sum of squares of the
-        unscaled grads: one read-only pass, on the device."""
+        """The bucket's non-finite flag (0/1) and, for clip='previous', the sum of squares of each
+        unscaled grad: one read-only pass, on the device."""
         found = torch.zeros((), dtype=torch.float32, device=device)
         scale = self._scale_on(device)
         inv = (torch.ones((), dtype=torch.float32, device=device) if scale is None
                else scale.double().reciprocal().float())
-        norm_sq = (torch.zeros((), dtype=torch.float32, device=device)
-                   if self.clip == "previous" else None)
-        amp_ops.check_grads(grads, found, inv, norm_sq, None, backend=self.optimizer._backend)
-        return found, norm_sq
+        per_grad = (torch.zeros(len(grads), dtype=torch.float32, device=device)
+                    if self._clip is not None else None)
+        amp_ops.check_grads(grads, found, inv, None, per_grad, backend=self.optimizer._backend)
+        return found, per_grad
 
     def _record(self, found) -> None:
         prev = self._found.get(found.device)
