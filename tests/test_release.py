@@ -215,27 +215,63 @@ def test_non_finite_storm_skips_exactly_the_buckets_that_hold_it(dtype, with_sca
     assert any(plan.values())
 
 
-def test_previous_norm_clipping_matches_its_definition():
-    """clip='previous': step t clips with the global norm of step t-1's grads (the first step is
-    not clipped), i.e. the ordinary step with norm_sq set to the previous step's."""
+@pytest.mark.parametrize("backend", _backends())
+def test_previous_norm_clipping_matches_its_definition(backend):
+    """clip='previous': each release bucket clips with coefficient min(1, max_norm / (norm +
+    1e-6)), norm^2 = (this step's sum of squares of the grads released so far, the bucket's own
+    included) + (the previous step's sum of squares of the grads not released yet); a bucket
+    with an inf/NaN is not updated and counts as zero (optim/_release_clip.py). One param per
+    bucket (bucket_bytes=1), in the order the backward releases them (seen by hooks registered
+    before release's), against a twin stepped without clipping on grads pre-multiplied by the
+    coefficients this rule gives. The estimate differs from the earlier rules' (previous norm
+    alone; its max with the norm so far) by over 10% on some buckets, so they fail it."""
+    max_norm, bad = 0.05, (3, 2)  # step 3: param 2's grad gets an inf
     model, twin = _model(torch.float32), _model(torch.float32)
-    opt = mpfused.AdamW(model.parameters(), lr=1e-2, max_grad_norm=0.05)
-    twin_opt = mpfused.AdamW(twin.parameters(), lr=1e-2, max_grad_norm=0.05)
-    mpfused.step_in_backward(opt, clip="previous", bucket_bytes=2048)
-    prev = None
+    opt = mpfused.AdamW(model.parameters(), lr=1e-2, max_grad_norm=max_norm, backend=backend)
+    twin_opt = mpfused.AdamW(twin.parameters(), lr=1e-2, backend=backend)
+    released = []  # (param index, sum of squares of its grad), in release order
+    now = {"step": 0}
+
+    def make(i):
+        def hook(p):
+            if (now["step"], i) == bad:
+                p.grad.view(-1)[0] = float("inf")
+            released.append((i, p.grad.double().square().sum().item()))
+        return hook
+    for i, p in enumerate(model.parameters()):
+        p.register_post_accumulate_grad_hook(make(i))
+    mpfused.step_in_backward(opt, clip="previous", bucket_bytes=1)
+    twin_params = list(twin.parameters())
+    prev = [0.0] * len(twin_params)  # the previous step's sum of squares per param
+    far_from_old_rules = 0
     gen = torch.Generator().manual_seed(3)
-    for _ in range(6):
-        x = torch.randn(6, 24, generator=gen)
+    for step in range(8):
+        now["step"] = step
+        released.clear()
+        x = torch.randn(6, 24, generator=gen) * (1.0 if step % 2 else 3.0)
         _loss(model, x).backward()
         _loss(twin, x).backward()
-        norm_sq = sum(p.grad.double().square().sum() for p in twin.parameters()).float()
-        twin_opt.grad_norm_sq = prev if prev is not None else torch.zeros(())
+        assert sorted(i for i, _ in released) == list(range(len(twin_params)))
+        cur, seen, unseen_prev = [0.0] * len(prev), 0.0, sum(prev)
+        for i, sq in released:
+            unseen_prev -= prev[i]
+            if (step, i) == bad:
+                twin_params[i].grad = None
+                continue
+            cur[i] = sq
+            seen += sq
+            est = seen + max(unseen_prev, 0.0)
+            if step and abs(est - max(sum(prev), seen)) > 0.1 * est:
+                far_from_old_rules += 1
+            twin_params[i].grad.mul_(min(1.0, max_norm / (est ** 0.5 + 1e-6)))
+        prev = cur
         twin_opt.step()
-        del twin_opt.grad_norm_sq
         twin_opt.zero_grad()
-        prev = norm_sq
-        for a, b in zip(model.parameters(), twin.parameters()):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+        opt.step()
+        opt.zero_grad()
+        for a, b in zip(_snapshot(model, opt), _snapshot(twin, twin_opt)):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert far_from_old_rules >= 3
 
 
 def test_refusals_are_clear():
@@ -274,20 +310,35 @@ def test_char_gpt_release_equals_ordinary_bf16():
     assert released["state_bytes"]["grads"] == 0 < ordinary["state_bytes"]["grads"]
 
 
-CLIP_PARITY_TOLERANCE_PCT = 2.0
+CLIP_PARITY_TOLERANCE_PCT = 1.0  # the 8-bit state's parity tolerance (test_training_parity.py)
 
 
 def test_char_gpt_previous_norm_clipping_parity():
     """clip='previous' against exact clipping (max_grad_norm on the ordinary step) on the char GPT
     (bf16 weights + fp32 masters, bf16 autocast, 120 steps at lr 1e-3, max_grad_norm 1.0, which
-    clips most early steps): final loss (mean of the last 12 steps) within 2%.
+    clips most early steps; 64 KiB release buckets, 5 a step): final loss (mean of the last
+    12 steps) within 1%.
 
-    Measured on the 2-core CPU box, final-loss gap to exact clipping, seeds 0, 1, 2:
-      max_grad_norm 1.0: previous-norm +1.53 +0.54 +0.76 %   no clipping +2.63 +1.30 +1.29 %
-      max_grad_norm 0.5: previous-norm +2.46 +0.61 +1.52 %   no clipping +2.65 +1.23 +1.18 %
-    so the previous step's norm recovers about half of what clipping does here; the first step
-    (not clipped, with the largest grads) accounts for about half of the rest (exact clipping with
-    an unclipped first step: +1.08% at seed 0, max_grad_norm 0.5). This test: seed 0."""
+    Measured on the 2-core CPU VM, final-loss gap to exact clipping in %, seed s = init and batch
+    seed (this test: seed 0, max_grad_norm 1.0):
+      max_grad_norm 1.0, seeds 0..7:
+        seen + previous unseen (the rule) +0.31 +0.61 +0.15 +0.04 +0.43 +0.04 +0.58 -0.17
+        max(previous norm, seen)          +0.19 +0.57 +0.12 +0.92 +0.73 -0.09 +0.47 -0.08
+        previous norm alone (first rule)  +1.51 +0.41 +0.76 (seeds 0..2)
+        no clipping                       +2.61 +1.26 +1.24 +2.40 +2.45 +1.05 +2.55 +2.15
+      max_grad_norm 0.5, seeds 0..4:
+        seen + previous unseen (the rule) +0.38 +0.53 -0.05 +0.10 +0.45
+        max(previous norm, seen)          +0.16 +0.58 -0.01 +0.97 +0.74
+        no clipping                       +2.65 +1.23 +1.16 +2.51 +2.41
+    The rule: worst 0.61%, mean +0.26% over the 13 runs (max(previous, seen): worst 0.97%, mean
+    +0.41%). It is not exact: the floor of this measure is ~0.03% (exact clipping with the int16
+    remainder instead of the fp32 master, seeds 3, 4, 1: +0.03 -0.01 -0.02), so a small bias
+    (clipping a bucket with a norm whose unseen part is last step's) remains. Not better: letting
+    the first step only measure the norm (no update) moves the final loss by itself by up to 1%
+    (exact clipping with the first step skipped, seeds 0..2: +0.36 -0.01 -1.02), and giving the
+    first step the exact norm recovered only 0.08-0.26 points of max(previous, seen)'s gap
+    (seeds 3, 4, 1). Broken rules fail the test: no clipping +2.61%, the previous norm alone
+    +1.51% (seed 0)."""
     from mpfused.bench.data import VOCAB_SIZE, batch_offsets, load_stdlib_corpus, make_batch
     from mpfused.bench.model import CharGPT, GPTConfig
     corpus = load_stdlib_corpus()

@@ -10,8 +10,10 @@ the bucket), so without clipping the params, masters and state are bit-identical
 Rules (README, "Gradient release"):
 
 * ``opt.step()`` and ``opt.zero_grad()`` stay valid and change nothing while attached (their
-  hooks and LR schedulers still run). ``scaler.step(opt)`` hands the scaler what the backward
-  found; ``scaler.update()`` backs off as usual.
+  hooks and LR schedulers still run), except on an optimizer with no state yet given grads by
+  hand, as DCP's ``get_state_dict`` does to make the state it loads into: that ``step()`` is
+  the ordinary one. ``scaler.step(opt)`` hands the scaler what the backward found;
+  ``scaler.update()`` backs off as usual.
 * Gradient accumulation: backward passes under ``with release.accumulate():`` keep their grads;
   the next backward outside it steps with the accumulated grads and frees them (exact).
 * Non-finite grads: every release bucket (``bucket_bytes`` of params adjacent in backward order;
@@ -20,9 +22,12 @@ Rules (README, "Gradient release"):
   other buckets are. All-or-nothing is impossible once earlier buckets have stepped;
   ``release.skipped`` counts the skipped buckets of the last backward (a device tensor).
 * Clipping by the global norm cannot be known before the first update: ``max_grad_norm`` is
-  refused unless ``clip="previous"``: each step clips with the global norm of the previous
-  step's grads (the first step is not clipped). Its deviation from exact clipping is measured in
-  tests/test_release.py.
+  refused unless ``clip="previous"``: each release bucket clips with the norm of this step's
+  grads released so far (its own included) plus the previous step's norm of the grads not
+  released yet (``_release_clip.py``): never less than the grads already seen prove necessary,
+  exact for the step's last bucket. Its deviation from exact clipping is measured in
+  tests/test_release.py; the previous step's per-param sums are in ``release.state_dict()``
+  (save it with the optimizer's).
 * DDP: ``step_in_backward(opt, ddp=model)`` steps each DDP bucket as soon as its all-reduce is
   done (a DDP communication hook, as torch's optimizer-overlap hooks), bit-identical to the
   ordinary DDP step; DDP keeps its own grad buckets, so the win there is the overlap, not the
@@ -39,6 +44,7 @@ from collections import defaultdict
 import torch
 
 from mpfused.ops import amp as amp_ops
+from mpfused.optim._release_clip import PreviousNormClip
 from mpfused.optim._state_table import epoch as state_epoch, tracked
 
 __all__ = ["GradRelease", "step_in_backward"]
@@ -50,8 +56,10 @@ def step_in_backward(optimizer, *, scaler=None, bucket_bytes: int = DEFAULT_BUCK
                      clip: str | None = None, ddp=None) -> "GradRelease":
     """Attach gradient release to an mpfused optimizer; returns the handle (``.accumulate()``,
     ``.skipped``, ``.remove()``). ``scaler``: the ``mpfused.GradScaler`` the losses are scaled
-    with (its scale unscales the grads in the kernel). ``clip="previous"``: clip with the previous
-    step's global norm (needed with ``max_grad_norm``). ``ddp``: the
+    with (its scale unscales the grads in the kernel). ``clip="previous"``: clip each bucket
+    with this step's norm so far plus the previous step's norm of the grads still to come
+    (needed with ``max_grad_norm``; the handle's ``state_dict()`` carries it across a
+    checkpoint). ``ddp``: the
     ``DistributedDataParallel`` model the optimizer's params belong to: each DDP bucket steps as
     soon as its all-reduce is done (a DDP communication hook), with the averaged grads."""
     return GradRelease(optimizer, scaler=scaler, bucket_bytes=bucket_bytes, clip=clip, ddp=ddp)
@@ -99,14 +107,17 @@ class GradRelease:
         self.optimizer, self.scaler, self.bucket_bytes, self.clip = (optimizer, scaler,
                                                                      bucket_bytes, clip)
         self.skipped: torch.Tensor | None = None
-        self._accumulating = False
+        self._accumulating = self._pending = False
         self._handles = []
         self._chunk_of: dict[int, tuple[_Chunk, int]] = {}  # id(param) -> (chunk, index)
         self._chunks: list[_Chunk] = []
         self._in_backward = False
         self._found: dict[torch.device, torch.Tensor] = {}
-        self._norm_sq_next: torch.Tensor | None = None
-        self._norm_sq_prev: torch.Tensor | None = None
+        self._clip = PreviousNormClip(optimizer) if clip == "previous" else None
+        self._group_base = [0]  # flat position of each group's first param (for the clip)
+        for g in optimizer.param_groups:
+            self._group_base.append(self._group_base[-1] + len(g["params"]))
+        self._clip_ids: dict[tuple, torch.Tensor] = {}  # plan key -> its params' flat positions
         self._epoch = self._state_obj = None
         self._plans: dict[tuple, object] = {}  # (group index, ready indices) -> GroupPlan
         self._slots: dict[int, list] = {}  # group index -> its grad list (see _step_ready)
@@ -159,6 +170,7 @@ class GradRelease:
         """Backward passes inside keep (and accumulate) their grads; the first backward after it
         steps with the accumulated grads. Under DDP it is also ``ddp.no_sync()``."""
         previous, self._accumulating = self._accumulating, True
+        self._pending = True  # grads kept for a later backward: opt.step() must not take them
         try:
             with self._ddp.no_sync() if self._ddp is not None else contextlib.nullcontext():
                 yield self
@@ -168,6 +180,28 @@ class GradRelease:
     def step_done(self) -> None:
         """Called by ``opt.step()``: the next grad that arrives belongs to a new step."""
         self._in_backward = False
+        opt = self.optimizer
+        # An optimizer with no state yet, given grads by hand (not by an accumulating backward):
+        # torch.distributed.checkpoint's get_state_dict makes the state to load into this way
+        # (zero grads, lr 0, then step()); without this step it would silently load no state.
+        if (not opt.state and not self._pending
+                and any(p.grad is not None for g in opt.param_groups for p in g["params"])):
+            opt._grad_release = None
+            try:
+                opt.step()
+            finally:
+                opt._grad_release = self
+
+    def state_dict(self) -> dict:
+        """What the handle carries from step to step: with clip='previous', the last step's sum of
+        squares of each param's grad (float32, the optimizer's flat param order); else nothing.
+        Save it with the optimizer's state (DCP: pass the handle itself, it is Stateful) for an
+        exact resume."""
+        return {} if self._clip is None else self._clip.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        if self._clip is not None:
+            self._clip.load_state_dict(state_dict)
 
     def found_inf_per_device(self) -> dict:
         """For ``GradScaler.step``: the non-finite flags (0/1) of the last backward."""
@@ -209,14 +243,11 @@ class GradRelease:
             self._step_ready(gi, tuple(i for i, _ in items), [g for _, g in items])
 
     def _start_backward(self, device, queue_end: bool = True) -> None:
-        self._in_backward = True
+        self._in_backward, self._pending = True, False
         self._found = {}
         self.skipped = torch.zeros((), dtype=torch.int32, device=device)
-        if self.clip == "previous":
-            prev = self._norm_sq_next  # a non-finite norm (a skipped bucket) clips nothing
-            self._norm_sq_prev = None if prev is None else torch.where(
-                torch.isfinite(prev), prev, torch.zeros_like(prev))
-            self._norm_sq_next = None
+        if self._clip is not None:
+            self._clip.start(device)
         if queue_end:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -270,15 +301,25 @@ class GradRelease:
         found = checked[0][3]
         for _, _, _, f, _ in checked[1:]:
             found = torch.maximum(found, f.to(found.device))
-        for b, gs, dev, _, norm_sq in checked:
-            clip_sq = None
-            if self.clip == "previous" and self._norm_sq_prev is not None:
-                clip_sq = self._norm_sq_prev.to(dev)
+        clip_sq = None
+        if self._clip is not None:  # one norm for the release bucket, from all its parts
+            sq = torch.cat([c[4].to(self.skipped.device) for c in checked])
+            clip_sq = self._clip.norm_sq_for(self._ids_of(group_index, ready, plan), sq, found)
+        for b, gs, dev, _, _ in checked:
             opt._launch(b, gs, group, opt._hyper(group, dev),
-                        (self._scale_on(dev), found.to(dev), clip_sq,
+                        (self._scale_on(dev), found.to(dev),
+                         None if clip_sq is None else clip_sq.to(dev),
                          float(opt.max_grad_norm or 0.0), opt._seed))
-            self._record(None, norm_sq, dev)
-        self._record(found, None, found.device)
+        self._record(found)
+
+    def _ids_of(self, group_index: int, ready: tuple, plan) -> torch.Tensor:
+        """Flat positions of the plan's params, in the order its buckets check them."""
+        ids = self._clip_ids.get((group_index, ready))
+        if ids is None:
+            base = self._group_base[group_index]
+            ids = self._clip_ids[(group_index, ready)] = torch.tensor(
+                [base + i for b in plan.buckets for i in b.indices], device=self.skipped.device)
+        return ids
 
     def _plan_for(self, group_index: int, ready: tuple, grads: list):
         """The kernel plan of these ready params (cached: the same sets come every step), made by
@@ -286,9 +327,10 @@ class GradRelease:
         opt = self.optimizer
         if self._epoch != state_epoch() or opt.state is not self._state_obj:
             opt.state = tracked(opt.state)
-            self._plans = {}
+            self._plans, self._clip_ids = {}, {}
         plan = self._plans.get((group_index, ready))
         if plan is None:
+            self._clip_ids.pop((group_index, ready), None)
             plan = self._plans[(group_index, ready)] = opt._plan(
                 group_index, opt.param_groups[group_index], grads, cache=False)
             self._epoch, self._state_obj = state_epoch(), opt.state
@@ -301,23 +343,18 @@ class GradRelease:
         return s._scale.to(device)
 
     def _check(self, grads, device):
-        """The bucket's non-finite flag (0/1) and, for clip='previous', its sum of squares of the
-        unscaled grads: one read-only pass, on the device."""
+        """The bucket's non-finite flag (0/1) and, for clip='previous', the sum of squares of each
+        unscaled grad: one read-only pass, on the device."""
         found = torch.zeros((), dtype=torch.float32, device=device)
         scale = self._scale_on(device)
         inv = (torch.ones((), dtype=torch.float32, device=device) if scale is None
                else scale.double().reciprocal().float())
-        norm_sq = (torch.zeros((), dtype=torch.float32, device=device)
-                   if self.clip == "previous" else None)
-        amp_ops.check_grads(grads, found, inv, norm_sq, None, backend=self.optimizer._backend)
-        return found, norm_sq
+        per_grad = (torch.zeros(len(grads), dtype=torch.float32, device=device)
+                    if self._clip is not None else None)
+        amp_ops.check_grads(grads, found, inv, None, per_grad, backend=self.optimizer._backend)
+        return found, per_grad
 
-    def _record(self, found, norm_sq, device) -> None:
-        if found is not None:
-            prev = self._found.get(device)
-            self._found[device] = found.clone() if prev is None else torch.maximum(prev, found)
-            self.skipped += (found > 0).to(torch.int32).to(self.skipped.device)
-        if norm_sq is not None:
-            norm_sq = norm_sq.to(self.skipped.device)
-            self._norm_sq_next = (norm_sq if self._norm_sq_next is None
-                                  else self._norm_sq_next + norm_sq)
+    def _record(self, found) -> None:
+        prev = self._found.get(found.device)
+        self._found[found.device] = found.clone() if prev is None else torch.maximum(prev, found)
+        self.skipped += (found > 0).to(torch.int32).to(self.skipped.device)

@@ -1,0 +1,124 @@
+"""Training-step time with gradient release (mpfused.step_in_backward) against the ordinary step,
+on the main job's model (the char GPT of `python -m mpfused.bench`, its CPU preset by default).
+
+A timed unit is one whole training step (autocast forward, scaled backward, scaler.step,
+update, zero_grad): with release the update runs inside the backward, so only the whole step
+compares. Both recipes are built from the same initial weights and step through the same
+batches; they are timed round-robin in one process (the order changes every round, see
+common.round_order) after warm-up steps, so drift of the machine hits both alike. Reported:
+median and quartiles of each, and the median of the per-round ratios (paired: robust to load
+that comes and goes between rounds), also per block of rounds to show how stable it is.
+
+    python -m benchmarks.bench_release [--size small] [--rounds 40] [--warmup 5]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from benchmarks.common import machine, print_table, round_order, write_results
+from mpfused.bench.data import VOCAB_SIZE, batch_offsets, load_stdlib_corpus, make_batch
+from mpfused.bench.model import CharGPT, GPTConfig
+from mpfused.bench.presets import SIZE_PRESETS
+from mpfused.bench.recipes import RECIPES, RELEASE_BUCKET_BYTES, Hyperparameters
+
+PAIRS = [("mpfused", "mpfused-release"),
+         ("mpfused-8bit-remainder", "mpfused-8bit-remainder-release")]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def make_steppers(size: str, dtype, names: list, seed: int, n_batches: int) -> dict:
+    """One closure per recipe that trains one step on its next batch (the same batch sequence
+    for every recipe), as mpfused/bench/train.py does."""
+    preset = SIZE_PRESETS[size]
+    corpus = load_stdlib_corpus()
+    ctx = preset.context_length
+    offsets = batch_offsets(len(corpus.train), ctx, preset.batch_size, n_batches, seed)
+    torch.manual_seed(seed)
+    base = CharGPT(GPTConfig(vocab_size=VOCAB_SIZE, context_length=ctx, n_layer=preset.n_layer,
+                             n_head=preset.n_head, d_model=preset.d_model))
+    hp = Hyperparameters(lr=preset.lr)
+    out = {}
+    for name in names:
+        setup = RECIPES[name].build(base, torch.device("cpu"), dtype, hp)
+        counter = [0]
+
+        def step(setup=setup, counter=counter):
+            inputs, targets = make_batch(corpus.train, offsets[counter[0] % n_batches], ctx)
+            counter[0] += 1
+            with torch.autocast("cpu", dtype=dtype):
+                loss = setup.model(inputs, targets)
+            setup.scaler.scale(loss).backward()
+            setup.scaler.step(setup.optimizer)
+            setup.scaler.update()
+            setup.optimizer.zero_grad(set_to_none=True)
+        out[name] = step
+    return out, sum(p.numel() for p in base.parameters())
+
+
+def time_round_robin(steppers: dict, rounds: int, warmup: int) -> dict:
+    names = list(steppers)
+    for _ in range(warmup):
+        for n in names:
+            steppers[n]()
+    times = {n: [] for n in names}
+    for r in range(rounds):
+        for n in round_order(names, r):
+            t = time.perf_counter()
+            steppers[n]()
+            times[n].append(time.perf_counter() - t)
+    return times
+
+
+def quartiles(xs):
+    q = statistics.quantiles(xs, n=4)
+    return q[0], statistics.median(xs), q[2]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", default="small", choices=sorted(SIZE_PRESETS))
+    ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--blocks", type=int, default=4, help="report the ratio per block of rounds")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    rows, load = [], [os.getloadavg()]
+    for ordinary, release in PAIRS:
+        steppers, n_params = make_steppers(args.size, dtype, [ordinary, release], args.seed,
+                                           args.rounds + args.warmup)
+        times = time_round_robin(steppers, args.rounds, args.warmup)
+        load.append(os.getloadavg())
+        ratios = [b / a for a, b in zip(times[ordinary], times[release])]
+        per = max(len(ratios) // args.blocks, 1)
+        blocks = [statistics.median(ratios[i:i + per]) for i in range(0, len(ratios), per)]
+        for name in (ordinary, release):
+            q1, med, q3 = quartiles(times[name])
+            rows.append({"recipe": name, "median_ms": 1e3 * med, "q1_ms": 1e3 * q1,
+                         "q3_ms": 1e3 * q3, "rounds": args.rounds})
+        rows[-1].update(ratio_median=statistics.median(ratios),
+                        ratio_per_block=[round(b, 3) for b in blocks])
+    print(f"{machine()['cpu']}, {torch.get_num_threads()} threads, {args.size} preset "
+          f"({n_params / 1e6:.2f}M params), {args.dtype}, release bucket "
+          f"{RELEASE_BUCKET_BYTES >> 10} KiB; load average {load}")
+    print_table(rows, ["recipe", "median_ms", "q1_ms", "q3_ms", "ratio_median",
+                       "ratio_per_block"])
+    path = write_results(f"release-step-{torch.get_num_threads()}t", "cpu", rows, extra={
+        "size": args.size, "dtype": args.dtype, "n_params": n_params, "warmup": args.warmup,
+        "load_average_1_5_15min": load,
+        "note": "whole training steps, round-robin in one process; ratio = release / ordinary "
+                "per round"})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
