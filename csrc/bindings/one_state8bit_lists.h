@@ -4,6 +4,7 @@
 #pragma once
 #include "../cpu/one_state8bit_cpu.h"
 #include "common.h"
+#include "cpu_steps.h"
 
 namespace mpfused::bind {
 

@@ -2,6 +2,7 @@
 #include <ATen/Parallel.h>
 
 #include "common.h"
+#include "cpu_steps.h"
 #include "one_state8bit_lists.h"
 #include "op_signatures.h"
 #include "quant8_args.h"
