@@ -7,7 +7,9 @@ compares. Both recipes are built from the same initial weights and step through 
 batches; they are timed round-robin in one process (the order changes every round, see
 common.round_order) after warm-up steps, so drift of the machine hits both alike. Reported:
 median and quartiles of each, and the median of the per-round ratios (paired: robust to load
-that comes and goes between rounds), also per block of rounds to show how stable it is.
+that comes and goes between rounds), also per block of rounds to show how stable it is. Both
+models must end bit-identical (bf16, no clipping: release is exact), which shows the two did the
+same work; the result says so (same_params).
 
     python -m benchmarks.bench_release [--size small] [--rounds 40] [--warmup 5]
 """
@@ -33,7 +35,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 def make_steppers(size: str, dtype, names: list, seed: int, n_batches: int) -> dict:
     """One closure per recipe that trains one step on its next batch (the same batch sequence
-    for every recipe), as mpfused/bench/train.py does."""
+    for every recipe), as mpfused/bench/train.py does; the models; the param count."""
     preset = SIZE_PRESETS[size]
     corpus = load_stdlib_corpus()
     ctx = preset.context_length
@@ -42,7 +44,7 @@ def make_steppers(size: str, dtype, names: list, seed: int, n_batches: int) -> d
     base = CharGPT(GPTConfig(vocab_size=VOCAB_SIZE, context_length=ctx, n_layer=preset.n_layer,
                              n_head=preset.n_head, d_model=preset.d_model))
     hp = Hyperparameters(lr=preset.lr)
-    out = {}
+    out, models = {}, {}
     for name in names:
         setup = RECIPES[name].build(base, torch.device("cpu"), dtype, hp)
         counter = [0]
@@ -56,8 +58,8 @@ def make_steppers(size: str, dtype, names: list, seed: int, n_batches: int) -> d
             setup.scaler.step(setup.optimizer)
             setup.scaler.update()
             setup.optimizer.zero_grad(set_to_none=True)
-        out[name] = step
-    return out, sum(p.numel() for p in base.parameters())
+        out[name], models[name] = step, setup.model
+    return out, models, sum(p.numel() for p in base.parameters())
 
 
 def time_round_robin(steppers: dict, rounds: int, warmup: int) -> dict:
@@ -79,7 +81,7 @@ def quartiles(xs):
     return q[0], statistics.median(xs), q[2]
 
 
-def main():
+def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="small", choices=sorted(SIZE_PRESETS))
     ap.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
@@ -88,13 +90,13 @@ def main():
     ap.add_argument("--blocks", type=int, default=4, help="report the ratio per block of rounds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
     rows, load = [], [os.getloadavg()]
     for ordinary, release in PAIRS:
-        steppers, n_params = make_steppers(args.size, dtype, [ordinary, release], args.seed,
+        steppers, models, n_params = make_steppers(args.size, dtype, [ordinary, release], args.seed,
                                            args.rounds + args.warmup)
         times = time_round_robin(steppers, args.rounds, args.warmup)
         load.append(os.getloadavg())
@@ -105,19 +107,22 @@ def main():
             q1, med, q3 = quartiles(times[name])
             rows.append({"recipe": name, "median_ms": 1e3 * med, "q1_ms": 1e3 * q1,
                          "q3_ms": 1e3 * q3, "rounds": args.rounds})
+        same = all(torch.equal(a, b) for a, b in zip(models[ordinary].parameters(),
+                                                     models[release].parameters()))
         rows[-1].update(ratio_median=statistics.median(ratios),
-                        ratio_per_block=[round(b, 3) for b in blocks])
+                        ratio_per_block=[round(b, 3) for b in blocks], same_params=same)
     print(f"{machine()['cpu']}, {torch.get_num_threads()} threads, {args.size} preset "
           f"({n_params / 1e6:.2f}M params), {args.dtype}, release bucket "
           f"{RELEASE_BUCKET_BYTES >> 10} KiB; load average {load}")
     print_table(rows, ["recipe", "median_ms", "q1_ms", "q3_ms", "ratio_median",
-                       "ratio_per_block"])
+                       "ratio_per_block", "same_params"])
     path = write_results(f"release-step-{torch.get_num_threads()}t", "cpu", rows, extra={
         "size": args.size, "dtype": args.dtype, "n_params": n_params, "warmup": args.warmup,
         "load_average_1_5_15min": load,
         "note": "whole training steps, round-robin in one process; ratio = release / ordinary "
                 "per round"})
     print(f"wrote {path}")
+    return path
 
 
 if __name__ == "__main__":

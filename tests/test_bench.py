@@ -71,3 +71,19 @@ def test_bench_adamw8bit_tiny_run(tmp_path):
         assert r["moved_bytes_per_param"] == (16 + 4 * 4 / 256 if "8bit" in name else 28), name
     assert rows["mpfused.AdamW8bit"]["state_bytes_per_param_large"] <= 2.05
     assert 8.0 <= rows["torch.AdamW(fused)"]["state_bytes_per_param_large"] < 8.01  # + step counters
+
+
+def test_bench_release_tiny_run(tmp_path, monkeypatch):
+    """benchmarks/bench_release.py end to end at a tiny size: both pairs timed, and each pair's
+    models end bit-identical (the timed steps did the same work: release is exact here)."""
+    import benchmarks.common
+    from benchmarks.bench_release import PAIRS, main as bench_release
+
+    monkeypatch.setattr(benchmarks.common, "RESULTS", tmp_path)
+    path = bench_release(["--size", "tiny", "--rounds", "4", "--warmup", "1", "--blocks", "2"])
+    rows = {r["recipe"]: r for r in json.loads(open(path).read())["rows"]}
+    assert set(rows) == {name for pair in PAIRS for name in pair}
+    for _, release in PAIRS:
+        assert rows[release]["same_params"] is True, release
+        assert rows[release]["ratio_median"] > 0 and len(rows[release]["ratio_per_block"]) == 2
+    assert all(r["median_ms"] > 0 and r["rounds"] == 4 for r in rows.values())

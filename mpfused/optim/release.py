@@ -26,7 +26,7 @@ Rules (README, "Gradient release"):
   grads released so far (its own included) plus the previous step's norm of the grads not
   released yet (``_release_clip.py``): never less than the grads already seen prove necessary,
   exact for the step's last bucket. Its deviation from exact clipping is measured in
-  tests/test_release.py; the previous step's per-param sums are in ``release.state_dict()``
+  tests/test_release_training.py; the previous step's per-param sums are in ``release.state_dict()``
   (save it with the optimizer's).
 * DDP: ``step_in_backward(opt, ddp=model)`` steps each DDP bucket as soon as its all-reduce is
   done (a DDP communication hook, as torch's optimizer-overlap hooks), bit-identical to the
