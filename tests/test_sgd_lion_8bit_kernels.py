@@ -63,16 +63,21 @@ BACKENDS = _backends()
 # ---- cases and calls ----------------------------------------------------------------------------
 def make_case(sizes, dtype, mode, block, steps=(3,), seed=0):
     """Mid-training state: random params, grads, 8-bit state, masters within rounding of their
-    param, per-tensor step counts (0: SGD's first step takes the gradient as its buffer)."""
+    param, per-tensor step counts (0: SGD's first step takes the gradient as its buffer). One
+    element in 32 has a zero state and a tiny negative grad: its new state rounds to code 0 and
+    the sign rule must store it one code below."""
     gen = torch.Generator().manual_seed(seed)
     c = {k: [] for k in KEYS}
     c.update(mode=mode, block=block)
     for i, n in enumerate(sizes):
         p32 = torch.randn(n, generator=gen) * 0.1
         c["params"].append(p32.to(dtype))
-        c["grads"].append((torch.randn(n, generator=gen) * 1e-2).to(dtype))
+        g = torch.randn(n, generator=gen) * 1e-2
         codes, absmax = qm.quantize_blockwise(torch.randn(n, generator=gen) * 1e-2,
                                               qm.signed_map(), block)
+        tiny = torch.rand(n, generator=gen) < 1 / 32
+        g[tiny], codes[tiny] = -1e-9, qm.SIGNED_ZERO_CODE
+        c["grads"].append(g.to(dtype))
         c["codes"].append(codes)
         c["absmax"].append(absmax)
         if mode == 1:
