@@ -11,6 +11,8 @@ struct LionUpdate {
   __attribute__((always_inline)) void operator()(float& w, float g, float& m) const {
     lion_element(w, g, m, s);
   }
+  template <class F>
+  __attribute__((always_inline)) void visit(F&& f) const { f(*this); }  // one case
 };
 
 }  // namespace

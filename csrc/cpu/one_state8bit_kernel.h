@@ -1,8 +1,9 @@
 // The CPU kernel of every step with one block-wise 8-bit state, generic over the algorithm's
-// per-element update U (a functor: U{scalars}(w, g, s) updates the fp32 param w and the fp32
-// state s, e.g. sgd_element / lion_element). Codes and absmax follow exactly the rules of
-// adam8bit_cpu.cpp's first moment: the same encoder (LUT with the sign rule), the same decode,
-// the new absmax as the bits of max |s| (a NaN state gives a NaN absmax).
+// per-element update U: u.visit(f) calls f with a functor uc, uc(w, g, s) updating the fp32
+// param w and the fp32 state s (sgd_element / lion_element with the tensor's scalars). Codes
+// and absmax follow exactly the rules of adam8bit_cpu.cpp's first moment: the same encoder (LUT
+// with the sign rule), the same decode, the new absmax as the bits of max |s| (a NaN state gives
+// a NaN absmax).
 // Included by one .cpp per algorithm; everything here is per translation unit.
 #pragma once
 #include <omp.h>
@@ -65,25 +66,24 @@ MPF_HD void state8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t 
         for (int64_t j = 0; j < tl; ++j) codes[j] = c[o + j];
       }
       float* __restrict sc = sb + t0;
-#pragma omp simd
-      for (int64_t j = 0; j < tl; ++j) {
-        const int64_t i = o + j;
-        float w = load_weight<T, MODE>(p, master, rem, i);
-        float s = VBMI ? dec[j] * a : quant8_decode(map, codes[j], a);
-        u(w, to_f32(g[i]), s);
-        store_weight<T, MODE>(w, p, master, rem, i, seed, stream, begin + i);
-        sc[j] = s;
-      }
-      // The absmax in a loop of its own (a re-read from L1): GCC splits the update loop per
-      // branch of the per-element code (SGD: weight decay, first step) and vectorizes only one
-      // of the splits of a loop that carries an omp simd reduction (SGD 1.44 -> 0.74 ns/element).
-      uint32_t tm = am;
+      // u.visit hands the loop the update with its per-tensor cases decided (SGD: first step,
+      // weight decay): one loop per case, none with arithmetic under a condition, which
+      // compilers do not vectorize (-ftrapping-math) and GCC only partly splits by itself.
+      u.visit([&](const auto& uc) __attribute__((always_inline)) {
+        uint32_t tm = am;
 #pragma omp simd reduction(max : tm)
-      for (int64_t j = 0; j < tl; ++j) {
-        const uint32_t bits = f32_bits(fabsf(sc[j]));
-        tm = tm > bits ? tm : bits;
-      }
-      am = tm;
+        for (int64_t j = 0; j < tl; ++j) {
+          const int64_t i = o + j;
+          float w = load_weight<T, MODE>(p, master, rem, i);
+          float s = VBMI ? dec[j] * a : quant8_decode(map, codes[j], a);
+          uc(w, to_f32(g[i]), s);
+          store_weight<T, MODE>(w, p, master, rem, i, seed, stream, begin + i);
+          sc[j] = s;
+          const uint32_t bits = f32_bits(fabsf(s));
+          tm = tm > bits ? tm : bits;
+        }
+        am = tm;
+      });
     }
     absmax[blk] = bits_f32(am);
     const float r = quant8_inv_scale(bits_f32(am));

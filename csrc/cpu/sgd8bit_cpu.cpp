@@ -9,8 +9,26 @@ namespace {
 template <bool NESTEROV>
 struct SgdMomentum {
   SgdScalars s;
-  __attribute__((always_inline)) void operator()(float& w, float g, float& buf) const {
-    sgd_element<true, NESTEROV>(w, g, buf, s);
+
+  // sgd_element with s.first and (s.weight_decay != 0) known at compile time: its branches on
+  // them fold away, so the kernel's loop has no conditional arithmetic in any case.
+  template <bool FIRST, bool DECAY>
+  struct Case {
+    SgdScalars s;
+    __attribute__((always_inline)) void operator()(float& w, float g, float& buf) const {
+      SgdScalars k = s;
+      k.first = FIRST;
+      if constexpr (!DECAY) k.weight_decay = 0.f;
+      else if (k.weight_decay == 0.f) __builtin_unreachable();  // visit picked DECAY from it
+      sgd_element<true, NESTEROV>(w, g, buf, k);
+    }
+  };
+
+  template <class F>
+  __attribute__((always_inline)) void visit(F&& f) const {
+    const bool decay = s.weight_decay != 0.f;
+    if (s.first) decay ? f(Case<true, true>{s}) : f(Case<true, false>{s});
+    else decay ? f(Case<false, true>{s}) : f(Case<false, false>{s});
   }
 };
 

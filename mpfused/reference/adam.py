@@ -158,7 +158,9 @@ def param_updates(params, grads, masters, steps, lr, lr_tensor, weight_decay, ma
         g = grads[i].double() * mult
         if decoupled:
             w = w * (1 - lr * weight_decay)
-        else:
+        elif weight_decay != 0:
+            # as torch and the kernels: no term at all without decay, so a -0 grad stays -0 (an
+            # 8-bit state stores its sign) and an inf w adds no 0 * inf = NaN
             g = g + weight_decay * w
         yield i, p, t, streams[i], mode, master, w, g, lr
 
