@@ -251,17 +251,22 @@ class FusedOptimizer(Optimizer):
     def _sync_extra_state(self, group, p) -> None:
         """State keys the group's options need beyond the masters (e.g. amsgrad's)."""
 
+    # Required of every subclass (AdamW, SGD, Lion define them): the engine has no default.
     def _init_state(self, group, p) -> None:
-        raise NotImplementedError
+        """A new param's state (its step counter and per-element state)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _init_state")
 
     def _fill_operands(self, group, b, st) -> None:
-        raise NotImplementedError
+        """The bucket's state lists and its bound op, ``b.state["step_"]``."""
+        raise NotImplementedError(f"{type(self).__name__} must define _fill_operands")
 
     def _hyper(self, group, device) -> tuple:
-        raise NotImplementedError
+        """The group's scalars as the op takes them (a tensor lr on ``device``)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _hyper")
 
     def _launch(self, b, grads, group, hyper, scaling) -> None:
-        raise NotImplementedError
+        """One op call for bucket ``b``."""
+        raise NotImplementedError(f"{type(self).__name__} must define _launch")
 
     # ---- step -------------------------------------------------------------------------------
     @torch.no_grad()

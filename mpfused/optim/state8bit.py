@@ -170,8 +170,9 @@ class State8bit:
         """The optimizer's own rules for a group (e.g. no amsgrad); ValueError naming `where`."""
 
     def _flags_8bit(self, group) -> tuple:
-        """The 8-bit op's arguments between the scalars and master_mode."""
-        raise NotImplementedError
+        """The 8-bit op's arguments between the scalars and master_mode (required of every
+        8-bit class: AdamW8bit, SGD8bit, Lion8bit define it)."""
+        raise NotImplementedError(f"{type(self).__name__} must define _flags_8bit")
 
     def _torch_group(self, g) -> dict:
         """A saved group as the 32-bit optimizer's state_dict holds it."""
