@@ -111,8 +111,9 @@ def compute_thresholds(qmap: torch.Tensor) -> torch.Tensor:
     The midpoint of two float32 values is exact in float64; rounding it down to float32 makes
     ``x > thr[i]`` equivalent to ``x > exact midpoint`` for every float32 x."""
     q = qmap.detach().double().cpu()
-    if q.numel() != 256 or not bool((q[1:] > q[:-1]).all()):
-        raise ValueError("a quantization map must hold 256 strictly increasing values")
+    if q.numel() not in (16, 256) or not bool((q[1:] > q[:-1]).all()):
+        raise ValueError("a quantization map must hold 256 (8-bit) or 16 (4-bit) strictly "
+                         "increasing values")
     mid = (q[:-1] + q[1:]) * 0.5
     t = mid.float()
     t = torch.where(t.double() > mid, torch.nextafter(t, torch.tensor(-float("inf"))), t)
@@ -141,9 +142,12 @@ def inv_scale(absmax: torch.Tensor) -> torch.Tensor:
 
 
 def encode(x: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:
-    """Nearest code (int64) of each float32 value of x, ties to the lower code."""
+    """Nearest code (int64) of each float32 value of x, ties to the lower code (8-bit or 4-bit
+    map: 256 or 16 entries; NaN encodes as 0)."""
     thr = thresholds(qmap).to(x.device)
-    return torch.searchsorted(thr, x.float().contiguous(), side="left").clamp_(max=255)
+    xf = x.float().contiguous()
+    c = torch.searchsorted(thr, xf, side="left").clamp_(max=qmap.numel() - 1)
+    return torch.where(torch.isnan(xf), torch.zeros_like(c), c)
 
 
 def quantize_blockwise(x: torch.Tensor, qmap: torch.Tensor, block_size: int,

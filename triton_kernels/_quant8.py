@@ -34,17 +34,33 @@ def _encode(thr_ptr, x):
 
 
 @triton.jit
-def dequantize(c_ptr, map_ptr, a_ptr, offs, mask):
-    """quant8_decode of this program's block: map[code] * the block's (old) absmax."""
-    c = tl.load(c_ptr + offs, mask=mask, other=0).to(tl.int32)
+def _encode4(thr_ptr, x):
+    # quant4_encode: the same search over a 16-entry map's 16 thresholds (thr[15] = +inf).
+    c = tl.where(x > tl.load(thr_ptr + 7), 8, 0)
+    c += tl.where(x > tl.load(thr_ptr + c + 3), 4, 0)
+    c += tl.where(x > tl.load(thr_ptr + c + 1), 2, 0)
+    c += tl.where(x > tl.load(thr_ptr + c), 1, 0)
+    return c
+
+
+@triton.jit
+def dequantize(c_ptr, map_ptr, a_ptr, offs, mask, BITS: tl.constexpr = 8):
+    """quant8_decode of this program's block: map[code] * the block's (old) absmax. BITS = 4:
+    quant4_code_at, element 2k in the high nibble of byte k."""
+    if BITS == 8:
+        c = tl.load(c_ptr + offs, mask=mask, other=0).to(tl.int32)
+    else:
+        b = tl.load(c_ptr + offs // 2, mask=mask, other=0).to(tl.int32)
+        c = (b >> (((offs & 1) ^ 1) * 4).to(tl.int32)) & 0xF
     return tl.load(map_ptr + c) * tl.load(a_ptr + tl.program_id(0))
 
 
 @triton.jit
 def store_quantized(x, c_ptr, a_ptr, thr_ptr, offs, mask, zero_code,
-                    KEEP_NEGATIVE: tl.constexpr):
+                    KEEP_NEGATIVE: tl.constexpr, BITS: tl.constexpr = 8):
     """The new absmax of this program's block of the updated state x, then x's codes
-    (KEEP_NEGATIVE: quant8_keep_negative, bitsandbytes' sign rule for a signed state)."""
+    (KEEP_NEGATIVE: quant8_keep_negative, bitsandbytes' sign rule for a signed state). BITS = 4:
+    two codes per byte (quant4_pack), an odd tensor's last low nibble 0."""
     # max over the bit patterns of |x| (as the CPU and CUDA kernels): ordered as the floats, and a
     # NaN moment (above inf) gives a NaN absmax; tl.max on floats would skip the NaN
     am = tl.max(tl.where(mask, tl.abs(x), 0.0).to(tl.uint32, bitcast=True), axis=0)
@@ -53,11 +69,24 @@ def store_quantized(x, c_ptr, a_ptr, thr_ptr, offs, mask, zero_code,
     one = tl.full((), 1.0, tl.float32)
     r = tl.div_rn(one, am)  # quant8_inv_scale: saturates at FLT_MAX
     r = tl.where(r < 3.4028234663852886e38, r, 3.4028234663852886e38)
-    q = _encode(thr_ptr, x * r)
+    if BITS == 8:
+        q = _encode(thr_ptr, x * r)
+    else:
+        q = _encode4(thr_ptr, x * r)
     if KEEP_NEGATIVE:
         neg = (x.to(tl.uint32, bitcast=True) >> 31) != 0
         q = tl.where(neg & (q == zero_code), q - 1, q)
-    tl.store(c_ptr + offs, q.to(tl.uint8), mask=mask)
+    if BITS == 8:
+        tl.store(c_ptr + offs, q.to(tl.uint8), mask=mask)
+    else:
+        q = tl.where(mask, q, 0)  # the padding nibble of an odd-sized tensor
+        hi, lo = tl.split(tl.reshape(q, (q.shape[0] // 2, 2)))
+        byte_offs = (offs // 2).to(tl.int64)
+        pair_offs = tl.reshape(byte_offs, (q.shape[0] // 2, 2))
+        bo, _ = tl.split(pair_offs)
+        pair_mask = tl.reshape(mask, (q.shape[0] // 2, 2))
+        m0, _ = tl.split(pair_mask)
+        tl.store(c_ptr + bo, ((hi << 4) | lo).to(tl.uint8), mask=m0)
 
 
 # ---- host side --------------------------------------------------------------------------------

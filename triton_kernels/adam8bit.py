@@ -37,7 +37,7 @@ def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_p
                      seed, stream, DT: tl.constexpr, MODE: tl.constexpr,
                      DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_LR: tl.constexpr,
                      HAS_SCALE: tl.constexpr, HAS_FOUND: tl.constexpr, HAS_NORM: tl.constexpr,
-                     BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr, BITS: tl.constexpr = 8):
     if HAS_FOUND:
         if tl.load(found_ptr) > 0.0:  # skipped step: nothing is touched
             return
@@ -52,8 +52,8 @@ def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_p
     w = load_weight(p_ptr, w_ptr, offs, mask, DT, MODE)
     g = load_f32(g_ptr, offs, mask, DT)
     # ---- dequantize with the old absmax, update in fp32 (adam_element) ----
-    m = dequantize(c1_ptr, map1_ptr, a1_ptr, offs, mask)
-    v = dequantize(c2_ptr, map2_ptr, a2_ptr, offs, mask)
+    m = dequantize(c1_ptr, map1_ptr, a1_ptr, offs, mask, BITS)
+    v = dequantize(c2_ptr, map2_ptr, a2_ptr, offs, mask, BITS)
     g = g * gm
     if not DECOUPLED:  # Adam's L2 term (when nonzero); AdamW leaves g as it is, like torch
         g = tl.where(l2 != 0.0, g + l2 * w, g)
@@ -64,18 +64,21 @@ def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_p
     w = w - tl.div_rn(step_size * m, denom)
     # ---- store the param ----
     store_weight(w, p_ptr, w_ptr, offs, mask, seed, ti, stream, DT, MODE)
-    # ---- new absmax of the updated moments, requantize (the sign rule for m only) ----
-    store_quantized(m, c1_ptr, a1_ptr, thr1_ptr, offs, mask, zero_code, True)
-    store_quantized(v, c2_ptr, a2_ptr, thr2_ptr, offs, mask, zero_code, False)
+    # ---- new absmax of the updated moments, requantize (the sign rule for 8-bit m only) ----
+    store_quantized(m, c1_ptr, a1_ptr, thr1_ptr, offs, mask, zero_code, BITS == 8, BITS)
+    store_quantized(v, c2_ptr, a2_ptr, thr2_ptr, offs, mask, zero_code, False, BITS)
 
 
 @on_tensors_device
 def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters, steps,
                    qmap1, qmap2, block_size, lr, lr_tensor, beta1, beta2, eps, weight_decay,
                    maximize, decoupled, master_mode, grad_scale=None, found_inf=None,
-                   norm_sq=None, max_grad_norm=0.0, seed=0, param_ids=(), elem_offsets=()):
+                   norm_sq=None, max_grad_norm=0.0, seed=0, param_ids=(), elem_offsets=(),
+                   _bits=8):
     if not params:
         return
+    if _bits == 4:
+        _check_4bit(params, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, qmap1, qmap2, block_size)
     streams = sr_streams(len(params), param_ids, elem_offsets)
     check_block_size(block_size)
     dev = params[0].device
@@ -104,9 +107,30 @@ def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, mas
             zc, int(seed) & _M64, i64_bits(streams[i]),
             DT=DTYPE_CODE[pk.dtype], MODE=mode, DECOUPLED=bool(decoupled), MAXIMIZE=bool(maximize),
             HAS_LR=lr_tensor is not None, HAS_SCALE=grad_scale is not None,
-            HAS_FOUND=found_inf is not None, HAS_NORM=has_norm, BLOCK=block_size,
+            HAS_FOUND=found_inf is not None, HAS_NORM=has_norm, BLOCK=block_size, BITS=_bits,
             num_warps=num_warps_for(block_size),
             enable_fp_fusion=False)  # no FMA contraction: rounds as the CPU kernel
 
     for_each_quantized(params, grads, masters, master_mode, launch)
     advance_steps(steps, found_inf)  # on device, by a taken step only
+
+
+def _check_4bit(params, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, qmap1, qmap2, block_size):
+    """The native binding's size rules of adam4bit_step_ (a kernel indexes by them)."""
+    for name, m in (("qmap1", qmap1), ("qmap2", qmap2)):
+        if m.numel() != 16 or m.dtype != torch.float32 or not m.is_contiguous():
+            raise RuntimeError(f"mpfused: {name} must be a contiguous float32 tensor of 16 entries")
+    for i, p in enumerate(params):
+        for name, c in (("exp_avgs", exp_avgs[i]), ("exp_avg_sqs", exp_avg_sqs[i])):
+            if c.dtype != torch.uint8 or c.numel() != (p.numel() + 1) // 2 or not c.is_contiguous():
+                raise RuntimeError(f"mpfused: {name}[{i}] must be contiguous uint8 with "
+                                   f"ceil(numel / 2) = {(p.numel() + 1) // 2} bytes")
+        for name, a in (("absmax1s", absmax1s[i]), ("absmax2s", absmax2s[i])):
+            if a.dtype != torch.float32 or a.numel() != triton.cdiv(p.numel(), block_size):
+                raise RuntimeError(f"mpfused: {name}[{i}] must be float32 with ceil(numel / "
+                                   "block_size) entries")
+
+
+def adam4bit_step_(*args, **kwargs):
+    """mpfused::adam4bit_step_: the 8-bit kernel specialized on 4-bit codes (BITS=4)."""
+    return adam8bit_step_(*args, **kwargs, _bits=4)

@@ -77,6 +77,26 @@ struct BoundLists : torch::CustomClassHolder {
             elem_offsets);
   }
 
+  // adam4bit_step_: the same schema as adam8bit_step_ (4-bit codes, 16-entry maps).
+  void adam4bit_step_(at::TensorList grads, const at::Tensor& qmap1, const at::Tensor& qmap2,
+                      int64_t block_size, double lr, const std::optional<at::Tensor>& lr_tensor,
+                      double beta1, double beta2, double eps, double weight_decay, bool maximize,
+                      bool decoupled, int64_t master_mode,
+                      const std::optional<at::Tensor>& grad_scale,
+                      const std::optional<at::Tensor>& found_inf,
+                      const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
+                      int64_t seed) {
+    expect_lists(7, "adam4bit_step_",
+                 "params, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters, steps");
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("mpfused::adam4bit_step_", "")
+                               .typed<Adam8bitStepFn>();
+    op.call(list(0), grads, list(1), list(2), list(3), list(4), list(5), list(6), qmap1, qmap2,
+            block_size, lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize, decoupled,
+            master_mode, grad_scale, found_inf, norm_sq, max_grad_norm, seed, param_ids,
+            elem_offsets);
+  }
+
   void sgd_step_(at::TensorList grads, double lr, const std::optional<at::Tensor>& lr_tensor,
                  double momentum, double dampening, double weight_decay, bool nesterov,
                  bool maximize, int64_t master_mode, const std::optional<at::Tensor>& grad_scale,
@@ -145,6 +165,7 @@ TORCH_LIBRARY_FRAGMENT(mpfused, m) {
       .def(torch::init<at::TensorList, at::IntArrayRef, at::IntArrayRef, at::IntArrayRef>())
       .def("adam_step_", &BoundLists::adam_step_)
       .def("adam8bit_step_", &BoundLists::adam8bit_step_)
+      .def("adam4bit_step_", &BoundLists::adam4bit_step_)
       .def("sgd_step_", &BoundLists::sgd_step_)
       .def("lion_step_", &BoundLists::lion_step_)
       .def("sgd8bit_step_", &BoundLists::sgd8bit_step_)

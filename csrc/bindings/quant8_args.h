@@ -10,11 +10,13 @@ namespace mpfused::bind {
 // Metadata of a quantization map of an 8-bit step op (every backend): 256 contiguous float32 on
 // `dev`. Its values (sorted, +0) are checked where they can be read without a sync: on the host by
 // the CPU binding, on the device by the CUDA kernel.
-inline void check_qmap(const at::Tensor& map, const char* what, const at::Device& dev) {
-  TORCH_CHECK(map.scalar_type() == at::kFloat && map.numel() == 256 && map.dim() == 1 &&
+// 4-bit ops: `entries` = 16.
+inline void check_qmap(const at::Tensor& map, const char* what, const at::Device& dev,
+                       int64_t entries = 256) {
+  TORCH_CHECK(map.scalar_type() == at::kFloat && map.numel() == entries && map.dim() == 1 &&
                   map.is_contiguous(),
-              "mpfused: ", what, " must be a contiguous float32 tensor of 256 entries, got ",
-              map.sizes(), " ", map.scalar_type());
+              "mpfused: ", what, " must be a contiguous float32 tensor of ", entries,
+              " entries, got ", map.sizes(), " ", map.scalar_type());
   TORCH_CHECK(map.device() == dev, "mpfused: ", what, " must be on ", dev,
               " (the params' device), got ", map.device());
 }
@@ -34,7 +36,8 @@ inline at::Device check_quant8_args(at::TensorList params, at::TensorList grads,
                                     int64_t block_size, int64_t master_mode,
                                     const std::optional<at::Tensor>& grad_scale,
                                     const std::optional<at::Tensor>& found_inf,
-                                    const std::optional<at::Tensor>& norm_sq) {
+                                    const std::optional<at::Tensor>& norm_sq,
+                                    int code_bits = 8) {
   const at::Device dev = params[0].device();
   const size_t n = params.size();
   check_same_device(params, dev, "params");
@@ -59,9 +62,17 @@ inline at::Device check_quant8_args(at::TensorList params, at::TensorList grads,
   }
   for (const Quant8StateArg& s : states)
     for (size_t i = 0; i < n; ++i) {
-      TORCH_CHECK(s.codes[i].numel() == params[i].numel(), "mpfused: ", s.codes_name, "[", i,
-                  "] must have its param's ", params[i].numel(), " elements, got ",
-                  s.codes[i].numel());
+      if (code_bits == 4) {  // two codes per byte: always used as they lie
+        TORCH_CHECK(s.codes[i].numel() == (params[i].numel() + 1) / 2 &&
+                        s.codes[i].is_contiguous(),
+                    "mpfused: ", s.codes_name, "[", i, "] must be contiguous with ceil(numel / 2) = ",
+                    (params[i].numel() + 1) / 2, " bytes (two 4-bit codes each), got ",
+                    s.codes[i].numel());
+      } else {
+        TORCH_CHECK(s.codes[i].numel() == params[i].numel(), "mpfused: ", s.codes_name, "[", i,
+                    "] must have its param's ", params[i].numel(), " elements, got ",
+                    s.codes[i].numel());
+      }
       const int64_t blocks = (params[i].numel() + block_size - 1) / block_size;
       TORCH_CHECK(s.absmaxs[i].numel() == blocks && s.absmaxs[i].is_contiguous(), "mpfused: ",
                   s.absmax_name, "[", i, "] must be contiguous with ceil(numel / block_size) = ",
@@ -80,12 +91,15 @@ inline at::Device check_adam8bit_args(at::TensorList params, at::TensorList grad
                                       int64_t block_size, int64_t master_mode,
                                       const std::optional<at::Tensor>& grad_scale,
                                       const std::optional<at::Tensor>& found_inf,
-                                      const std::optional<at::Tensor>& norm_sq) {
-  return check_quant8_args(params, grads,
-                           {{exp_avgs, absmax1s, "exp_avgs (8-bit codes)", "absmax1s"},
-                            {exp_avg_sqs, absmax2s, "exp_avg_sqs (8-bit codes)", "absmax2s"}},
-                           masters, steps, block_size, master_mode, grad_scale, found_inf,
-                           norm_sq);
+                                      const std::optional<at::Tensor>& norm_sq,
+                                      int code_bits = 8) {
+  const bool four = code_bits == 4;
+  return check_quant8_args(
+      params, grads,
+      {{exp_avgs, absmax1s, four ? "exp_avgs (4-bit codes)" : "exp_avgs (8-bit codes)", "absmax1s"},
+       {exp_avg_sqs, absmax2s, four ? "exp_avg_sqs (4-bit codes)" : "exp_avg_sqs (8-bit codes)",
+        "absmax2s"}},
+      masters, steps, block_size, master_mode, grad_scale, found_inf, norm_sq, code_bits);
 }
 
 // ---- 8-bit maps on the CPU --------------------------------------------------------------------
@@ -93,7 +107,7 @@ inline at::Device check_adam8bit_args(at::TensorList params, at::TensorList grad
 // increasing.
 inline void check_qmap_values(const at::Tensor& map, const char* what) {
   const float* q = map.data_ptr<float>();
-  for (int i = 0; i + 1 < 256; ++i)
+  for (int64_t i = 0; i + 1 < map.numel(); ++i)
     TORCH_CHECK(q[i] < q[i + 1], "mpfused: ", what, " must be strictly increasing (sorted)");
 }
 

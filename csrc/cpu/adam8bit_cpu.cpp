@@ -38,8 +38,41 @@ MPF_HD void encode_pair(float m, float v, float r1, float r2, const uint32_t* __
   }
 }
 
+// Codes q[0, count) of elements [from, from + count) into a state of BITS-bit codes. 4-bit: an
+// odd `from` shares its byte with the element before (written earlier in the same pass: only
+// the low nibble is set); an odd end leaves the low nibble 0 (the padding of an odd-sized tensor,
+// or a seam the next store fills).
+template <int BITS>
+MPF_HD void store_codes(uint8_t* __restrict c, int64_t from, const int32_t* __restrict q,
+                        int64_t count) {
+  if constexpr (BITS == 8) {
+#pragma omp simd
+    for (int64_t j = 0; j < count; ++j) c[from + j] = uint8_t(q[j]);
+  } else {
+    int64_t j = 0;
+    if ((from & 1) != 0 && count > 0) {
+      c[from >> 1] = uint8_t((c[from >> 1] & 0xF0) | (q[0] & 0xF));
+      j = 1;
+    }
+    uint8_t* __restrict d = c + ((from + j) >> 1);
+    const int64_t pairs = (count - j) >> 1;
+#pragma omp simd
+    for (int64_t k = 0; k < pairs; ++k) d[k] = quant4_pack(q[j + 2 * k], q[j + 2 * k + 1]);
+    if (((count - j) & 1) != 0) d[pairs] = quant4_pack(q[count - 1], 0);
+  }
+}
+
+// Codes of elements [from, from + count) of a BITS-bit state, widened to int32.
+template <int BITS>
+MPF_HD void load_codes(const uint8_t* __restrict c, int64_t from, int32_t* __restrict q,
+                       int64_t count) {
+#pragma omp simd
+  for (int64_t j = 0; j < count; ++j)
+    q[j] = BITS == 8 ? int32_t(c[from + j]) : quant4_code_at(c, from + j);
+}
+
 // Pass 2 alone over elements [from, to) of one block (moments in mb/vb, codes at c1/c2).
-template <bool LUT>
+template <bool LUT, int BITS>
 MPF_HD void requantize(const float* __restrict mb, const float* __restrict vb, uint8_t* __restrict c1,
                        uint8_t* __restrict c2, int64_t from, int64_t to, float r1, float r2,
                        const uint32_t* __restrict lut1, const uint32_t* __restrict lut2,
@@ -50,11 +83,8 @@ MPF_HD void requantize(const float* __restrict mb, const float* __restrict vb, u
 #pragma omp simd
     for (int64_t j = 0; j < tl; ++j)
       encode_pair<LUT>(mb[t0 + j], vb[t0 + j], r1, r2, lut1, lut2, thr1, thr2, zc, out1[j], out2[j]);
-#pragma omp simd
-    for (int64_t j = 0; j < tl; ++j) {
-      c1[t0 + j] = uint8_t(out1[j]);
-      c2[t0 + j] = uint8_t(out2[j]);
-    }
+    store_codes<BITS>(c1, t0, out1, tl);
+    store_codes<BITS>(c2, t0, out2, tl);
   }
 }
 
@@ -64,13 +94,16 @@ MPF_HD void requantize(const float* __restrict mb, const float* __restrict vb, u
 // Software-pipelined by one block: pass 2 of block b-1 runs in the same loop as pass 1 of block b.
 // Pass 1 waits on the divider (two divisions and a square root per element), pass 2 on table
 // gathers; interleaved, each hides the other (about 1.3x faster than the two passes in turn).
-template <typename T, int MODE, bool LUT, bool VBMI = false>
+// BITS = 8: one code per byte; 4: two (quant8_math.h's "4-bit codes"; codes at begin / 2).
+template <typename T, int MODE, bool LUT, int BITS, bool VBMI = false>
 MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t block,
                            const AdamScalars& s, const Maps& mp, uint64_t seed, uint64_t stream) {
   T* __restrict p = static_cast<T*>(ops[kQParam]) + begin;
   const T* __restrict g = static_cast<const T*>(ops[kQGrad]) + begin;
-  uint8_t* __restrict c1 = static_cast<uint8_t*>(ops[kQExpAvg]) + begin;
-  uint8_t* __restrict c2 = static_cast<uint8_t*>(ops[kQExpAvgSq]) + begin;
+  static_assert(BITS == 8 || !VBMI, "the VBMI decode reads one code per byte");
+  // element offsets below are relative to `begin`, which is block-aligned (so even)
+  uint8_t* __restrict c1 = static_cast<uint8_t*>(ops[kQExpAvg]) + begin * BITS / 8;
+  uint8_t* __restrict c2 = static_cast<uint8_t*>(ops[kQExpAvgSq]) + begin * BITS / 8;
   float* __restrict master = MODE == kFp32Master ? static_cast<float*>(ops[kQMaster]) + begin : nullptr;
   int16_t* __restrict rem = MODE == kRemainder ? static_cast<int16_t*>(ops[kQMaster]) + begin : nullptr;
   float* __restrict absmax1 = static_cast<float*>(ops[kQAbsmax1]);
@@ -111,11 +144,8 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
         decode_tile_vbmi(mp.enc2->planes, map2, c2 + o, d2, tl);
 #endif
       } else {
-#pragma omp simd
-        for (int64_t j = 0; j < tl; ++j) {
-          in1[j] = c1[o + j];
-          in2[j] = c2[o + j];
-        }
+        load_codes<BITS>(c1, o, in1, tl);
+        load_codes<BITS>(c2, o, in2, tl);
       }
       float* __restrict mc = mb[cur] + t0;
       float* __restrict vc = vb[cur] + t0;
@@ -150,16 +180,13 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
       if (pipe) update(std::true_type{});
       else update(std::false_type{});
       if (pipe) {
-#pragma omp simd
-        for (int64_t j = 0; j < tl; ++j) {
-          c1[prev_b0 + t0 + j] = uint8_t(out1[j]);
-          c2[prev_b0 + t0 + j] = uint8_t(out2[j]);
-        }
+        store_codes<BITS>(c1, prev_b0 + t0, out1, tl);
+        store_codes<BITS>(c2, prev_b0 + t0, out2, tl);
       }
     }
     if (pipe && len < prev_len)
-      requantize<LUT>(mb[prv], vb[prv], c1 + prev_b0, c2 + prev_b0, len, prev_len, prev_r1, prev_r2,
-                      lut1, lut2, thr1, thr2, zc);
+      requantize<LUT, BITS>(mb[prv], vb[prv], c1 + prev_b0 * BITS / 8, c2 + prev_b0 * BITS / 8,
+                            len, prev_len, prev_r1, prev_r2, lut1, lut2, thr1, thr2, zc);
     absmax1[blk] = bits_f32(am1);
     absmax2[blk] = bits_f32(am2);
     prev_b0 = b0;
@@ -168,8 +195,9 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
     prev_r2 = quant8_inv_scale(bits_f32(am2));
   }
   if (prev_b0 >= 0)
-    requantize<LUT>(mb[cur ^ 1], vb[cur ^ 1], c1 + prev_b0, c2 + prev_b0, 0, prev_len, prev_r1,
-                    prev_r2, lut1, lut2, thr1, thr2, zc);
+    requantize<LUT, BITS>(mb[cur ^ 1], vb[cur ^ 1], c1 + prev_b0 * BITS / 8,
+                          c2 + prev_b0 * BITS / 8, 0, prev_len, prev_r1, prev_r2, lut1, lut2, thr1,
+                          thr2, zc);
 }
 
 #define MPF_8BIT_CHUNK_ARGS                                                                     \
@@ -177,41 +205,44 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
       const Maps& mp, uint64_t seed, uint64_t stream
 using ChunkFn = void (*)(MPF_8BIT_CHUNK_ARGS);
 
-template <typename T, int MODE, bool LUT>
-void chunk_base(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT>(ops, begin, n, block, s, mp, seed, stream); }
+template <typename T, int MODE, bool LUT, int BITS>
+void chunk_base(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT, BITS>(ops, begin, n, block, s, mp, seed, stream); }
 #if MPF_8BIT_ISAS
+template <typename T, int MODE, bool LUT, int BITS>
+MPF_8BIT_V3 void chunk_v3(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT, BITS>(ops, begin, n, block, s, mp, seed, stream); }
+template <typename T, int MODE, bool LUT, int BITS>
+MPF_8BIT_V4 void chunk_v4(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT, BITS>(ops, begin, n, block, s, mp, seed, stream); }
 template <typename T, int MODE, bool LUT>
-MPF_8BIT_V3 void chunk_v3(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT>(ops, begin, n, block, s, mp, seed, stream); }
-template <typename T, int MODE, bool LUT>
-MPF_8BIT_V4 void chunk_v4(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT>(ops, begin, n, block, s, mp, seed, stream); }
-template <typename T, int MODE, bool LUT>
-MPF_8BIT_VBMI void chunk_vbmi(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT, true>(ops, begin, n, block, s, mp, seed, stream); }
+MPF_8BIT_VBMI void chunk_vbmi(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT, 8, true>(ops, begin, n, block, s, mp, seed, stream); }
 #endif
 
 // The table-driven encode on the fastest ISA; maps the tables cannot encode exactly (never the
-// bitsandbytes maps) take the binary search, baseline build only.
-template <typename T, int MODE>
+// bitsandbytes or torchao maps) take the binary search, baseline build only. 4-bit codes take
+// the v4 build on a VBMI CPU (the VBMI decode is for one code per byte).
+template <typename T, int MODE, int BITS>
 ChunkFn pick_lut(bool lut) {
-  if (!lut) return &chunk_base<T, MODE, false>;
+  if (!lut) return &chunk_base<T, MODE, false, BITS>;
 #if MPF_8BIT_ISAS
   const int level = isa_level();
-  if (level == 5) return &chunk_vbmi<T, MODE, true>;
-  if (level == 4) return &chunk_v4<T, MODE, true>;
-  if (level == 3) return &chunk_v3<T, MODE, true>;
+  if constexpr (BITS == 8)
+    if (level == 5) return &chunk_vbmi<T, MODE, true>;
+  if (level >= 4) return &chunk_v4<T, MODE, true, BITS>;
+  if (level == 3) return &chunk_v3<T, MODE, true, BITS>;
 #endif
-  return &chunk_base<T, MODE, true>;
+  return &chunk_base<T, MODE, true, BITS>;
 }
 
+template <int BITS>
 ChunkFn pick_kernel(int32_t dtype, int mode, bool lut) {
   switch (dtype) {
-    case kFloat32: return pick_lut<float, kNoMaster>(lut);  // fp32 params are their own master
-    case kFloat16: return mode == kFp32Master ? pick_lut<f16_t, kFp32Master>(lut) : pick_lut<f16_t, kNoMaster>(lut);
+    case kFloat32: return pick_lut<float, kNoMaster, BITS>(lut);  // fp32 params are their own master
+    case kFloat16: return mode == kFp32Master ? pick_lut<f16_t, kFp32Master, BITS>(lut) : pick_lut<f16_t, kNoMaster, BITS>(lut);
     default:
       switch (mode) {
-        case kFp32Master: return pick_lut<bf16_t, kFp32Master>(lut);
-        case kRemainder: return pick_lut<bf16_t, kRemainder>(lut);
-        case kStochastic: return pick_lut<bf16_t, kStochastic>(lut);
-        default: return pick_lut<bf16_t, kNoMaster>(lut);
+        case kFp32Master: return pick_lut<bf16_t, kFp32Master, BITS>(lut);
+        case kRemainder: return pick_lut<bf16_t, kRemainder, BITS>(lut);
+        case kStochastic: return pick_lut<bf16_t, kStochastic, BITS>(lut);
+        default: return pick_lut<bf16_t, kNoMaster, BITS>(lut);
       }
   }
 }
@@ -221,15 +252,18 @@ ChunkFn pick_kernel(int32_t dtype, int mode, bool lut) {
 void adam8bit_step(const TensorLists<7>& t, const double* step, const Adam8bitConfig& c,
                    int num_threads) {
   if (t.size == 0) return;
-  const Maps mp{c.map1, c.map2, &encoder_for(c.map1, c.zero_code1), &encoder_for(c.map2, -1),
-                c.zero_code1};
+  const int ncodes = 1 << c.code_bits;
+  const Maps mp{c.map1, c.map2, &encoder_for(c.map1, c.zero_code1, ncodes),
+                &encoder_for(c.map2, -1, ncodes), c.zero_code1};
   const bool lut = mp.enc1->lut.exact && mp.enc2->lut.exact;
   const std::vector<Chunk> chunks = make_chunks(t.numel, t.size);  // block-aligned (static_assert)
   const StepScalars ss = step_scalars(c, step, t.size);
   const std::vector<AdamScalars>& scalars = ss.scalars;
   const std::vector<uint64_t>& seeds = ss.seeds;
   std::vector<ChunkFn> kernels(size_t(t.size));
-  for (int64_t i = 0; i < t.size; ++i) kernels[i] = pick_kernel(t.dtype[i], c.master_mode, lut);
+  for (int64_t i = 0; i < t.size; ++i)
+    kernels[i] = c.code_bits == 4 ? pick_kernel<4>(t.dtype[i], c.master_mode, lut)
+                                  : pick_kernel<8>(t.dtype[i], c.master_mode, lut);
   const int64_t nc = int64_t(chunks.size());
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (nc > 1)
   for (int64_t k = 0; k < nc; ++k) {

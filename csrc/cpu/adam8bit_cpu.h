@@ -6,7 +6,8 @@
 namespace mpfused::cpu {
 
 // Operand order of the tensor lists handed to adam8bit_step. The first five have the param's
-// numel; the two absmax operands hold ceil(numel / block_size) floats.
+// numel (4-bit codes: ceil(numel / 2) bytes); the two absmax operands hold
+// ceil(numel / block_size) floats.
 enum Adam8bitOperand {
   kQParam = 0,
   kQGrad = 1,
@@ -29,7 +30,8 @@ struct Adam8bitConfig {
   int64_t block_size;   // a power of two in [64, 4096]
   const float* map1;    // signed map, 256 sorted floats, +0 at zero_code1
   const float* map2;    // unsigned map, 256 sorted floats
-  int32_t zero_code1;
+  int32_t zero_code1;    // -1: no sign rule (4-bit)
+  int32_t code_bits = 8;  // 8: 256-entry maps, a code per byte; 4: 16-entry maps, two per byte
 };
 
 // Every tensor is contiguous (logical order). step[i] is the step number t (already

@@ -36,7 +36,8 @@ struct Encoder {
   alignas(64) uint8_t planes[4][kQuantCodes];
 };
 
-const Encoder& encoder_for(const float* map, int32_t zero_code);
+// `ncodes`: 256 (8-bit map) or 16 (4-bit map; thresholds padded with +inf, quant8_math.h).
+const Encoder& encoder_for(const float* map, int32_t zero_code, int ncodes = kQuantCodes);
 
 #if MPF_8BIT_ISAS
 // The fastest build this CPU runs: 5 = v4 + VBMI, 4 = x86-64-v4, 3 = x86-64-v3, 0 = baseline.

@@ -72,6 +72,8 @@ def _stash_fp32_state(optimizer, state_dict):
             # DCP + FSDP2 hands DTensor state (global shape): compare its local shard.
             if not isinstance(value, torch.Tensor):
                 continue
+            if value.dtype == torch.uint8 and getattr(optimizer, "_STATE_BITS", 8) == 4:
+                continue  # flat packed 4-bit codes: checked by _checkpoint_8bit's pre-hook
             check_state_shape(value, local, f"loaded state_dict: state[{pid}][{key!r}]")
             allowed = _allowed_state_dtypes(optimizer, key)
             if not (value.is_floating_point() if allowed is None else value.dtype in allowed):

@@ -14,6 +14,7 @@ from mpfused.distributed import is_dtensor
 from mpfused.distributed import local as _local
 from mpfused.distributed_8bit import _from_global, _like_param, _to_global
 from mpfused.optim._overrides import _kept_32bit_ids
+from mpfused import quant4
 from mpfused.quant_maps import (SIGNED_ZERO_CODE, UNSIGNED_ZERO_CODE, dequantize_blockwise,
                                 num_blocks, quantize_blockwise, signed_map, unsigned_map)
 
@@ -32,6 +33,7 @@ class QuantState:
     key: str
     signed: bool
     n: int
+    bits: int = 8  # 4: mpfused/quant4.py (16-entry maps, codes packed two per byte, flat)
 
     @property
     def absmax_key(self) -> str:
@@ -47,20 +49,50 @@ class QuantState:
 
     @property
     def zero_code(self) -> int:
+        if self.bits == 4:
+            return quant4.SIGNED4_ZERO_CODE if self.signed else quant4.UNSIGNED4_ZERO_CODE
         return SIGNED_ZERO_CODE if self.signed else UNSIGNED_ZERO_CODE
 
     def qmap(self, device="cpu") -> torch.Tensor:
+        if self.bits == 4:
+            return quant4.signed4_map(device) if self.signed else quant4.unsigned4_map(device)
         return signed_map(device) if self.signed else unsigned_map(device)
 
+    # the codec of this state's width: 8-bit codes have the param's shape, 4-bit codes are flat
+    def codes_shape(self, shape) -> tuple:
+        if self.bits == 4:
+            return (quant4.codes4_numel(int(torch.Size(shape).numel())),)
+        return tuple(shape)
 
-def parse_quant_states(spec) -> tuple[QuantState, ...]:
+    def quantize(self, x: torch.Tensor, block: int):
+        if self.bits == 4:
+            return quant4.quantize4_blockwise(x, self.qmap(x.device), block)
+        return quantize_blockwise(x, self.qmap(x.device), block)
+
+    def dequantize(self, codes, absmax, block: int, shape) -> torch.Tensor:
+        if self.bits == 4:
+            return quant4.dequantize4_blockwise(codes, absmax, self.qmap(codes.device), block,
+                                                shape)
+        return dequantize_blockwise(codes, absmax, self.qmap(codes.device), block)
+
+    def zeros(self, local: torch.Tensor, block: int):
+        """(codes, absmax) of a zero state of `local`'s size, as a kernel writes them."""
+        absmax = torch.zeros(num_blocks(local.numel(), block), dtype=torch.float32,
+                             device=local.device)
+        if self.bits == 4:
+            return quant4.zero_codes4(local.numel(), self.signed, local.device), absmax
+        return torch.full(local.shape, self.zero_code, dtype=torch.uint8,
+                          device=local.device), absmax
+
+
+def parse_quant_states(spec, bits: int = 8) -> tuple[QuantState, ...]:
     """``(("exp_avg", "signed"), ("exp_avg_sq", "unsigned"))`` -> QuantStates, in bitsandbytes'
     order (the first is its state1)."""
     kinds = {"signed": True, "unsigned": False}
     for key, kind in spec:
         if kind not in kinds:
             raise ValueError(f"_QUANT_STATES: {key!r} has map {kind!r}; 'signed' or 'unsigned'")
-    return tuple(QuantState(key, kinds[kind], n) for n, (key, kind) in enumerate(spec, 1))
+    return tuple(QuantState(key, kinds[kind], n, bits) for n, (key, kind) in enumerate(spec, 1))
 
 
 def quant_states(optimizer) -> tuple[QuantState, ...]:
@@ -83,12 +115,12 @@ def _check_block_size(block_size, where: str = "block_size") -> None:
                          f"4096, as bitsandbytes), got {block_size!r}")
 
 
-def check_settings_8bit(group, where: str = "param group") -> None:
-    """A param group's 8-bit settings (add_param_group, a step that sees them changed, a load);
-    the optimizer's own group rules are its ``_check_group_rules``."""
+def check_settings_8bit(group, where: str = "param group", bits: int = 8) -> None:
+    """A param group's 8-bit (or 4-bit: ``bits``) settings (add_param_group, a step that sees
+    them changed, a load); the optimizer's own group rules are its ``_check_group_rules``."""
     _check_block_size(group["block_size"], f"{where} block_size")
-    if group["optim_bits"] not in (8, 32):
-        raise ValueError(f"{where} optim_bits must be 8 or 32, got {group['optim_bits']!r}")
+    if group["optim_bits"] not in (bits, 32):
+        raise ValueError(f"{where} optim_bits must be {bits} or 32, got {group['optim_bits']!r}")
     size = group["min_8bit_size"]
     if not isinstance(size, int) or size < 0:
         raise ValueError(f"{where} min_8bit_size must be an int >= 0, got {size!r}")
@@ -129,9 +161,18 @@ def _add_format(optimizer, state_dict):
     for pid, saved in state_dict["state"].items():
         if version == 2 and saved and is_8bit_state(saved, quant):
             state_dict["state"][pid] = {saved_keys.get(k, k): v for k, v in saved.items()}
-    state_dict["mpfused_8bit"] = {"version": version, "signed_map": signed_map().clone(),
-                                  "unsigned_map": unsigned_map().clone()}
+    bits = quant[0].bits
+    state_dict["mpfused_8bit"] = {"version": version, **{k: m.clone() for k, m in _maps(bits)}}
+    if bits != 8:
+        state_dict["mpfused_8bit"]["bits"] = bits
     return state_dict
+
+
+def _maps(bits: int):
+    """The format's (name, map) pairs for a code width (8-bit: bitsandbytes', 4-bit: torchao's)."""
+    if bits == 4:
+        return (("signed_map", quant4.signed4_map()), ("unsigned_map", quant4.unsigned4_map()))
+    return (("signed_map", signed_map()), ("unsigned_map", unsigned_map()))
 
 
 def _globalize(optimizer, state_dict, quant) -> None:
@@ -148,6 +189,10 @@ def _globalize(optimizer, state_dict, quant) -> None:
         for q in quant:
             if not is_codes(saved.get(q.key)) or is_dtensor(saved[q.key]):
                 continue
+            if q.bits == 4:
+                raise NotImplementedError(
+                    f"mpfused.{type(optimizer).__name__}: state_dict() of DTensor params with "
+                    "4-bit state (the global layout of packed codes) is not implemented yet")
             saved[q.key], saved[q.absmax_key] = _to_global(
                 p, saved[q.key], saved[q.absmax_key], q.qmap(local.device), group["block_size"])
         state_dict["state"][pid] = saved
@@ -189,10 +234,12 @@ def _check_saved_kinds(saved, quant, p, where) -> bool:
     for q in quant:
         if isinstance(saved.get(q.key), torch.Tensor):
             shape = tuple(_local(saved[q.key]).shape)  # DCP + FSDP2 hands DTensors: local shard
-            if shape != tuple(local.shape):
+            want = q.codes_shape(local.shape) if is_codes(saved[q.key]) else tuple(local.shape)
+            if shape != want:
                 raise ValueError(
                     f"load_state_dict: {where}: saved {q.saved_key}/{q.key} has shape {shape}; "
-                    "optimizer state must have the param's (local) shape")
+                    f"it must be {want} (the param's (local) shape"
+                    + (", 4-bit codes: ceil(numel / 2) bytes, flat)" if q.bits == 4 else ")"))
     codes = [is_codes(saved.get(q.key)) for q in quant]
     if any(codes) and not all(codes):
         kinds = ", ".join(f"{q.saved_key}/{q.key} is " + (
@@ -233,11 +280,17 @@ def _check_and_stash_8bit(optimizer, state_dict):
         if int(fmt.get("version", 0)) > FORMAT_VERSION:
             raise ValueError(f"mpfused_8bit state_dict version {fmt['version']} is newer than this "
                              f"mpfused (version {FORMAT_VERSION})")
-        for name, qmap in (("signed_map", signed_map()), ("unsigned_map", unsigned_map())):
+        bits = int(fmt.get("bits", 8))
+        if bits != quant[0].bits:
+            raise ValueError(f"load_state_dict: the checkpoint holds {bits}-bit state; "
+                             f"mpfused.{type(optimizer).__name__} keeps {quant[0].bits}-bit state "
+                             "(load it into the optimizer that saved it, or convert through "
+                             "to_torch_state_dict())")
+        for name, qmap in _maps(bits):
             saved_map = fmt.get(name)
             if saved_map is not None and not torch.equal(saved_map.cpu().float(), qmap):
-                raise ValueError(f"the checkpoint's {name} differs from bitsandbytes' dynamic map "
-                                 "used here: its codes cannot be decoded")
+                raise ValueError(f"the checkpoint's {name} differs from the map used here: its "
+                                 "codes cannot be decoded")
     groups = []
     for gi, (sg, group) in enumerate(zip(saved_groups, optimizer.param_groups)):
         sg = optimizer._adopt_saved_group(sg)  # e.g. bitsandbytes' SGD keeps momentum in betas
@@ -266,6 +319,9 @@ def _check_and_stash_8bit(optimizer, state_dict):
                     "a block-wise state is only valid for the block size it was quantized with. "
                     f"Construct the optimizer with block_size={block}.")
             _check_saved_absmax(saved, quant, p, block, where)
+    if quant[0].bits == 4 and any(is_dtensor(v) for st in new_state.values() for v in st.values()):
+        raise NotImplementedError(f"mpfused.{type(optimizer).__name__}: loading DTensor (DCP) "
+                                  "4-bit state is not implemented yet")
     optimizer._loading_8bit = (saved_groups, new_state)
     out = {k: v for k, v in state_dict.items() if k != "mpfused_8bit"}
     out.update(state=new_state, param_groups=groups)
@@ -334,8 +390,8 @@ def to_torch_state_dict(optimizer) -> dict:
         for q in quant:
             v = saved.get(q.key)
             if is_codes(v):  # local codes: a DTensor param gets a DTensor state
-                m = dequantize_blockwise(_local(v), _local(saved[q.absmax_key]),
-                                         q.qmap(_local(v).device), block)
+                m = q.dequantize(_local(v), _local(saved[q.absmax_key]), block,
+                                 _local(p).shape)
                 out[q.key] = _like_param(m, p)
             elif isinstance(v, torch.Tensor):
                 out[q.key] = v.detach().clone().float()
@@ -350,6 +406,9 @@ def to_bitsandbytes_state_dict(optimizer) -> dict:
     blocks: another block size is re-quantized, nearest codes of the new blocks, not bit-exact)
     for 8-bit params, fp32 ``state{n}`` otherwise; groups as ``optimizer._bnb_group`` gives."""
     quant = quant_states(optimizer)
+    if quant[0].bits != 8:
+        raise ValueError(f"to_bitsandbytes_state_dict: mpfused.{type(optimizer).__name__} keeps "
+                         f"{quant[0].bits}-bit state, which bitsandbytes has no optimizer for")
     state, groups, index = {}, [], 0
     for gi, group in enumerate(optimizer.param_groups):
         if any(is_dtensor(p) for p in group["params"]):

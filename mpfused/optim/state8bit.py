@@ -93,7 +93,6 @@ from mpfused.optim._checkpoint_8bit import (_GROUP_KEYS_8BIT, FORMAT_VERSION, _a
                                             to_bitsandbytes_state_dict, to_torch_state_dict)
 from mpfused.optim._overrides import _kept_32bit_ids, _overrides_epoch
 from mpfused.optim.engine import _local
-from mpfused.quant_maps import dequantize_blockwise, num_blocks, quantize_blockwise
 
 __all__ = ["State8bit"]
 
@@ -108,10 +107,11 @@ class State8bit:
     _OP_8BIT = None  # (params, grads, *codes, *absmaxs, masters, steps, *qmaps, block_size, ...)
     _TORCH_GROUP_KEYS: tuple = ()  # the 32-bit torch optimizer's group keys; (): all but 8-bit
     state_dict_version = FORMAT_VERSION  # 1: state_dict() writes version-1 keys (see above)
+    _STATE_BITS = 8  # 4: the 4-bit codec (mpfused/quant4.py; AdamW4bit), same machinery
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        cls._quant = parse_quant_states(cls._QUANT_STATES)
+        cls._quant = parse_quant_states(cls._QUANT_STATES, cls._STATE_BITS)
 
     def _setup_8bit(self, block_size: int, min_8bit_size: int, legacy: dict) -> None:
         """Called before the 32-bit optimizer's __init__: the 8-bit group defaults that
@@ -121,12 +121,12 @@ class State8bit:
         if unknown:
             raise TypeError(f"{name}() got unexpected keyword arguments {sorted(unknown)}")
         for key, value in legacy.items():
-            if value != _LEGACY[key] and not (key == "optim_bits" and value == 8):
+            if value != _LEGACY[key] and not (key == "optim_bits" and value == self._STATE_BITS):
                 warnings.warn(f"{name}: {key}={value!r} is a legacy bitsandbytes argument and "
                               "is ignored", stacklevel=3)
         self._8bit_defaults = dict(block_size=block_size, min_8bit_size=min_8bit_size,
-                                   optim_bits=8)
-        check_settings_8bit(self._8bit_defaults, f"mpfused.{name}:")
+                                   optim_bits=self._STATE_BITS)
+        check_settings_8bit(self._8bit_defaults, f"mpfused.{name}:", self._STATE_BITS)
 
     def _setup_engine(self, *args) -> None:
         super()._setup_engine(*args)
@@ -144,7 +144,7 @@ class State8bit:
             raise ValueError(f"mpfused.{type(self).__name__}: {e}") from None
 
     def _check_group_8bit(self, group, where: str = "param group") -> None:
-        check_settings_8bit(group, where)
+        check_settings_8bit(group, where, self._STATE_BITS)
         self._check_group_rules(group, where)
 
     def _register_hooks(self) -> None:
@@ -160,9 +160,10 @@ class State8bit:
 
     def __setstate__(self, state):
         super().__setstate__(state)
-        self.__dict__.setdefault("_8bit_defaults", dict(_DEFAULTS_8BIT))
+        defaults = dict(_DEFAULTS_8BIT, optim_bits=self._STATE_BITS)
+        self.__dict__.setdefault("_8bit_defaults", defaults)
         for group in self.param_groups:
-            for key, value in _DEFAULTS_8BIT.items():
+            for key, value in defaults.items():
                 group.setdefault(key, value)
 
     # ---- what an 8-bit optimizer provides -----------------------------------------------------
@@ -193,7 +194,7 @@ class State8bit:
 
     # ---- which params are 8-bit --------------------------------------------------------------
     def _wants_8bit(self, group, p, kept: set[int]) -> bool:
-        return (group["optim_bits"] == 8 and p.numel() >= group["min_8bit_size"]  # global numel
+        return (group["optim_bits"] != 32 and p.numel() >= group["min_8bit_size"]  # global numel
                 and getattr(p, "_mpfused_optim_bits", 8) != 32 and id(p) not in kept)
 
     def _is_8bit_state(self, state) -> bool:
@@ -217,11 +218,11 @@ class State8bit:
         for q in self._quant:
             value = state.get(q.key)
             if to_8bit and isinstance(value, torch.Tensor) and value.is_floating_point():
-                codes, absmax = quantize_blockwise(_local(value), q.qmap(dev), block)
+                codes, absmax = q.quantize(_local(value).to(dev), block)
                 state[q.key], state[q.absmax_key] = codes.contiguous(), absmax
             elif not to_8bit and is_codes(value):
-                state[q.key] = dequantize_blockwise(value, state.pop(q.absmax_key), q.qmap(dev),
-                                                    block)
+                state[q.key] = q.dequantize(value, state.pop(q.absmax_key), block,
+                                            _local(p).shape)
 
     def _adopt_written_state(self, p) -> None:
         """The 32-bit optimizer's, after states written as floats over 8-bit state (a reset of
@@ -234,8 +235,8 @@ class State8bit:
         if floats and codes:
             block = live_block_size(state, codes, _local(p).numel(), 256)
             for q in codes:
-                state[q.key] = dequantize_blockwise(state[q.key], state.pop(q.absmax_key),
-                                                    q.qmap(_local(p).device), block)
+                state[q.key] = q.dequantize(state[q.key], state.pop(q.absmax_key), block,
+                                            _local(p).shape)
         for q in floats:
             state.pop(q.absmax_key, None)
         super()._adopt_written_state(p)
@@ -255,10 +256,7 @@ class State8bit:
             return
         for q in self._quant:
             if q.key not in state:  # the 32-bit optimizer's zeros, without the fp32 tensor
-                state[q.key] = torch.full(local.shape, q.zero_code, dtype=torch.uint8,
-                                          device=local.device)
-                state[q.absmax_key] = torch.zeros(num_blocks(local.numel(), block),
-                                                  dtype=torch.float32, device=local.device)
+                state[q.key], state[q.absmax_key] = q.zeros(local, block)
         self._convert_state(group, p, to_8bit=True)
 
     # ---- kernel plan: 8-bit and fp32-state params in separate buckets ---------------------------

@@ -27,9 +27,12 @@ MPF_HD float quant8_threshold(float a, float b) {
   return t;
 }
 
-MPF_HD void quant8_thresholds(const float* map, float* thr) {
-  for (int i = 0; i + 1 < kQuantCodes; ++i) thr[i] = quant8_threshold(map[i], map[i + 1]);
-  thr[kQuantCodes - 1] = INFINITY;
+// `ncodes` = 256 (8-bit maps) or 16 (4-bit maps, see "4-bit codes" below): thr[ncodes - 1 ..
+// 255] = +inf, so that quant8_encode over the padded array returns the nearest of the `ncodes`
+// entries (never above ncodes - 1): every encoder below serves both widths unchanged.
+MPF_HD void quant8_thresholds(const float* map, float* thr, int ncodes = kQuantCodes) {
+  for (int i = 0; i + 1 < ncodes; ++i) thr[i] = quant8_threshold(map[i], map[i + 1]);
+  for (int i = ncodes - 1; i < kQuantCodes; ++i) thr[i] = INFINITY;
 }
 
 // ---- encode / decode -------------------------------------------------------------------------
@@ -126,9 +129,10 @@ MPF_HD uint32_t quant8_encode_lut(const uint32_t* center, float x) {
 // With `negative_zero_code` >= 0 (the first moment's map) the table also applies
 // quant8_keep_negative: x = m * (1 / absmax) has m's sign, so the negative bins (sign bit set,
 // -0 included) store zero_code - 1 where the nearest code is zero_code.
-inline void quant8_build_lut(const float* map, Quant8Lut& t, int32_t negative_zero_code = -1) {
+inline void quant8_build_lut(const float* map, Quant8Lut& t, int32_t negative_zero_code = -1,
+                             int ncodes = kQuantCodes) {
   float thr[kQuantCodes];
-  quant8_thresholds(map, thr);
+  quant8_thresholds(map, thr, ncodes);
   t.exact = true;
   for (uint32_t bin = 0; bin < uint32_t(Quant8Lut::kBins); ++bin) {
     const uint32_t base = bin << 16;
@@ -155,6 +159,34 @@ inline void quant8_build_lut(const float* map, Quant8Lut& t, int32_t negative_ze
     }
     t.lut[bin ^ 0x8000u] = (cut << 16) | (uint32_t(d1) << 8) | uint32_t(d0);  // see center
   }
+}
+
+// ---- 4-bit codes (two per byte) --------------------------------------------------------------
+// A 4-bit state is the same block-wise format with a 16-entry sorted map (mpfused/quant_maps.py:
+// torchao's signed dynamic map for a first moment, its zero-free linear map 1/16 .. 1 for a second
+// moment) and two codes per byte in torchao's order: element 2k in the high nibble of byte k,
+// element 2k+1 in the low nibble; an odd-sized tensor's last byte has a zero low nibble. Blocks
+// hold an even number of elements (block_size >= 64), so every block starts on a byte.
+// Encoding is quant8_encode over quant8_thresholds(map, thr, 16) (nearest entry, ties to the lower
+// code), or quant4_encode over the first 16 thresholds: the same code for every float32.
+constexpr int kQuant4Codes = 16;
+
+MPF_HD int32_t quant4_encode(const float* thr, float x) {
+  int32_t c = x > thr[7] ? 8 : 0;
+  c += x > thr[c + 3] ? 4 : 0;
+  c += x > thr[c + 1] ? 2 : 0;
+  c += x > thr[c] ? 1 : 0;
+  return c;
+}
+
+// The code of element i of a packed 4-bit state.
+MPF_HD int32_t quant4_code_at(const uint8_t* packed, int64_t i) {
+  return int32_t(packed[i >> 1] >> (((i & 1) ^ 1) * 4)) & 0xF;
+}
+
+// The byte of elements 2k (`even`) and 2k+1 (`odd`); only the low 4 bits of each are used.
+MPF_HD uint8_t quant4_pack(int32_t even, int32_t odd) {
+  return uint8_t(((even & 0xF) << 4) | (odd & 0xF));
 }
 
 }  // namespace mpfused
