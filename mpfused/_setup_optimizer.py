@@ -7,6 +7,7 @@ import inspect
 import torch
 
 _OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "adamw8bit": "AdamW8bit", "adam8bit": "Adam8bit",
+               "adamw4bit": "AdamW4bit", "adam4bit": "Adam4bit",
                "sgd": "SGD", "lion": "Lion", "sgd8bit": "SGD8bit", "lion8bit": "Lion8bit"}
 
 

@@ -251,7 +251,8 @@ def setup(model: nn.Module, optimizer="adamw", dtype="auto", lr=1e-3, weight_dec
 
     * ``model`` is moved to ``device`` (default: where it is) and cast by ``cast_model`` to
       ``dtype``: ``"auto"`` = bf16 where supported, else fp16; ``"fp32"`` leaves it fp32.
-    * ``optimizer``: ``"adamw"``, ``"adam"``, ``"adamw8bit"``, ``"adam8bit"``, ``"sgd"``,
+    * ``optimizer``: ``"adamw"``, ``"adam"``, ``"adamw8bit"``, ``"adam8bit"``, ``"adamw4bit"``,
+      ``"adam4bit"``, ``"sgd"``,
       ``"lion"``, ``"sgd8bit"``, ``"lion8bit"`` (mpfused classes) or
       a class, built on ``model.parameters()`` with ``lr``, ``weight_decay``, ``master_weights``
       (``"fp32"``, ``"remainder"`` (bf16 only) or ``"none"``) and ``optimizer_kwargs``. A class

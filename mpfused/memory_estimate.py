@@ -67,13 +67,15 @@ class MemoryEstimate:
 STATES = {"adamw": 2, "adam": 2, "sgd": 1, "lion": 1}
 
 
-def _8bit_state_bytes(numel: int, block_size: int, states: int = 2) -> int:
-    return states * (numel + 4 * math.ceil(numel / block_size))
+def _8bit_state_bytes(numel: int, block_size: int, states: int = 2, state_bits: int = 8) -> int:
+    codes = numel if state_bits == 8 else (numel + 1) // 2  # 4-bit: two codes per byte
+    return states * (codes + 4 * math.ceil(numel / block_size))
 
 
 def estimate_memory(model_or_param_count, recipe: str = "master", *, keep_fp32=None,
                     block_size: int = 256, min_8bit_size: int = 4096,
-                    release: bool = False, optimizer: str = "adamw") -> MemoryEstimate:
+                    release: bool = False, optimizer: str = "adamw",
+                    state_bits: int = 8) -> MemoryEstimate:
     """Bytes of weights, grads, master weights and optimizer state for a recipe (``RECIPES``):
 
     =================  =======  =====  ======  =====  =====
@@ -100,6 +102,10 @@ def estimate_memory(model_or_param_count, recipe: str = "master", *, keep_fp32=N
     or ``"lion"`` (one state tensor: half the state column, e.g. ``8bit-remainder`` with Lion is
     2 + 2 + 2 + 1.02 ~ 7 B/param).
 
+    ``state_bits=4`` with an ``8bit*`` recipe: 4-bit moments (``mpfused.AdamW4bit``; pass
+    ``block_size=128``, its default): 2 x (0.5 + 4 / 128) = 1.06 B/param of state, so ``8bit``
+    becomes ~9.1, ``8bit-remainder`` ~7.1 and ``8bit-remainder-release`` ~5.1 B/param.
+
     ``release=True`` (or a recipe name ending in ``-release``, e.g. ``"8bit-remainder-release"``):
     the step inside the backward (``mpfused.step_in_backward``) frees each grad as it is used, so
     no grad buffer is counted; during the backward at most two release buckets of grads
@@ -113,7 +119,11 @@ def estimate_memory(model_or_param_count, recipe: str = "master", *, keep_fp32=N
     if optimizer not in STATES:
         raise ValueError(f"optimizer must be one of {list(STATES)}, got {optimizer!r}")
     states = STATES[optimizer]
+    if state_bits not in (4, 8):
+        raise ValueError(f"state_bits must be 8 or 4, got {state_bits!r}")
     description, half, master_b, eight = RECIPES[recipe]
+    if eight and state_bits == 4:
+        description = description.replace("8-bit", "4-bit")
     if optimizer not in ("adamw", "adam"):
         description = description.replace("moments", f"{optimizer} state")
     if release:
@@ -121,17 +131,17 @@ def estimate_memory(model_or_param_count, recipe: str = "master", *, keep_fp32=N
     w_b = 2 if half else 4
     if isinstance(model_or_param_count, nn.Module):
         est = _estimate_model(model_or_param_count, recipe.removesuffix("-release"), keep_fp32,
-                              block_size, min_8bit_size, states)
+                              block_size, min_8bit_size, states, state_bits)
         return replace(est, recipe=recipe, description=description,
                        grads=0 if release else est.grads)
     n = int(model_or_param_count)
-    state_b = states * ((1 + 4 / block_size) if eight else 4)
+    state_b = states * ((state_bits / 8 + 4 / block_size) if eight else 4)
     return MemoryEstimate(recipe, description, n, w_b * n, 0 if release else w_b * n,
                           master_b * n, round(state_b * n))
 
 
 def _estimate_model(model, recipe, keep_fp32, block_size, min_8bit_size,
-                    states: int = 2) -> MemoryEstimate:
+                    states: int = 2, state_bits: int = 8) -> MemoryEstimate:
     description, half, master_b, eight = RECIPES[recipe]
     params, seen = [], set()
     for p in model.parameters():
@@ -153,7 +163,8 @@ def _estimate_model(model, recipe, keep_fp32, block_size, min_8bit_size,
         grads += b * n
         master += master_b * n if is_half else 0
         state += 4  # step
-        state += (_8bit_state_bytes(n, block_size, states) if eight and n >= min_8bit_size
+        state += (_8bit_state_bytes(n, block_size, states, state_bits)
+                  if eight and n >= min_8bit_size
                   else 4 * states * n)
     return MemoryEstimate(recipe, description, sum(p.numel() for p in params), weights, grads,
                           master, state)

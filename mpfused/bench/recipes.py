@@ -135,6 +135,13 @@ def build_mpfused_8bit_remainder(base_model, device, dtype, hp):
                           block_size=256, min_8bit_size=4096, master_weights="remainder")
 
 
+def build_mpfused_4bit(base_model, device, dtype, hp):
+    if hp.optimizer != "adamw":
+        raise RecipeUnavailable(f"4-bit state exists for AdamW only (not {hp.optimizer})")
+    return _build_mpfused(base_model, device, dtype, hp, "AdamW4bit",
+                          block_size=128, min_8bit_size=4096, master_weights="fp32")
+
+
 def build_mpfused_release(base_model, device, dtype, hp):
     return _build_mpfused(base_model, device, dtype, hp, _family(hp).mpfused, release=True,
                           master_weights="fp32")
@@ -193,6 +200,9 @@ RECIPES = {r.name: r for r in [
            build_mpfused_remainder),
     Recipe("mpfused-8bit-remainder", "bf16 weights + mpfused.AdamW8bit (int16 remainder master)",
            build_mpfused_8bit_remainder),
+    # Opt-in: 4-bit moments (torchao's AdamW4bit format, block 128).
+    Recipe("mpfused-4bit", "16-bit weights + mpfused.AdamW4bit (fp32 master, 4-bit m/v)",
+           build_mpfused_4bit),
     # Gradient release (mpfused.step_in_backward): the step inside the backward, no grad buffer.
     Recipe("mpfused-release", "16-bit weights + mpfused.AdamW (fp32 master), step in backward",
            build_mpfused_release),
