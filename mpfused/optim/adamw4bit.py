@@ -12,8 +12,10 @@ bf16_stochastic_round)``:
   ``block_size`` (default 128) mean the same; the update is the same fp32 math (decoupled decay
   before the update, torch's bias correction, the param updated with the unquantized moments).
 * ``amsgrad=True`` raises (torchao keeps a third 4-bit state; use ``mpfused.AdamW``).
-* ``bf16_stochastic_round=True`` is ``master_weights="stochastic"``; ``False`` with bf16 params is
-  ``master_weights="none"``. Our default ``"fp32"`` keeps an exact fp32 master (torchao has none).
+* ``bf16_stochastic_round=True`` is ``master_weights="none"`` (bf16 params updated with
+  stochastic rounding, no master). torchao's default (``False``: bf16 params rounded to nearest,
+  no master, updates below half a bf16 ulp lost) has no counterpart: ``False`` gives our default
+  ``master_weights="fp32"`` (an exact fp32 master; ``"remainder"``: an int16 one).
 * Small tensors: torchao keeps fp32 moments for tensors with fewer than 4096 elements **or** a size
   not divisible by block_size; we keep the first rule (``min_8bit_size=4096``, also the 8-bit
   name) and quantize any size (the last block may be short).
@@ -54,8 +56,8 @@ class AdamW4bit(State8bit, AdamW):
         if amsgrad:
             raise ValueError(f"{type(self).__name__} does not support amsgrad=True; use "
                              "mpfused.AdamW")
-        if bf16_stochastic_round is not None:  # torchao's argument
-            master_weights = "stochastic" if bf16_stochastic_round else "none"
+        if bf16_stochastic_round:  # torchao's argument (False: our master_weights applies)
+            master_weights = "none"
         self._setup_8bit(block_size, min_8bit_size, {})
         super().__init__(params, lr, betas, eps, weight_decay, False, maximize=maximize,
                          capturable=capturable, master_weights=master_weights,

@@ -174,6 +174,8 @@ class FusedOptimizer(Optimizer):
             value = state.get(key)
             if not isinstance(value, torch.Tensor):
                 continue
+            if value.dtype == torch.uint8 and getattr(self, "_STATE_BITS", 8) == 4:
+                continue  # flat packed 4-bit codes (State8bit's form checks)
             check_state_shape(value, local, f"mpfused.{type(self).__name__}: state[p][{key!r}]")
             if value.is_floating_point() and (value.dtype != torch.float32
                                               or _local(value).device != local.device):
