@@ -48,6 +48,12 @@ CASES = {
     "8bit-bf16-stochastic-clip": (mpfused.AdamW8bit, torch.bfloat16,
                                   {"min_8bit_size": 256, "master_weights": "none",
                                    "max_grad_norm": 0.05}),
+    "4bit-fp32": (mpfused.AdamW4bit, torch.float32, {"min_8bit_size": 256, "block_size": 64}),
+    "4bit-bf16-remainder": (mpfused.AdamW4bit, torch.bfloat16,
+                            {"min_8bit_size": 256, "master_weights": "remainder"}),
+    "4bit-fp16-stochastic-clip": (mpfused.Adam4bit, torch.float16,
+                                  {"min_8bit_size": 256, "max_grad_norm": 0.05,
+                                   "weight_decay": 0.1}),
     # SGD and Lion: skipped while their native kernels are not registered (see below)
     "sgd-fp32-nesterov-L2": (mpfused.SGD, torch.float32,
                              {"momentum": 0.9, "nesterov": True, "weight_decay": 0.1}),
