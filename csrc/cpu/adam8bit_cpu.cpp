@@ -66,6 +66,19 @@ MPF_HD void store_codes(uint8_t* __restrict c, int64_t from, const int32_t* __re
 template <int BITS>
 MPF_HD void load_codes(const uint8_t* __restrict c, int64_t from, int32_t* __restrict q,
                        int64_t count) {
+  if constexpr (BITS == 4) {
+    if ((from & 1) == 0) {  // always, in the kernel: tiles start on a byte
+      const uint8_t* __restrict b = c + (from >> 1);
+      const int64_t pairs = count >> 1;
+#pragma omp simd
+      for (int64_t k = 0; k < pairs; ++k) {
+        q[2 * k] = b[k] >> 4;
+        q[2 * k + 1] = b[k] & 0xF;
+      }
+      if ((count & 1) != 0) q[count - 1] = b[pairs] >> 4;
+      return;
+    }
+  }
 #pragma omp simd
   for (int64_t j = 0; j < count; ++j)
     q[j] = BITS == 8 ? int32_t(c[from + j]) : quant4_code_at(c, from + j);
@@ -95,12 +108,12 @@ MPF_HD void requantize(const float* __restrict mb, const float* __restrict vb, u
 // Pass 1 waits on the divider (two divisions and a square root per element), pass 2 on table
 // gathers; interleaved, each hides the other (about 1.3x faster than the two passes in turn).
 // BITS = 8: one code per byte; 4: two (quant8_math.h's "4-bit codes"; codes at begin / 2).
+// VBMI: decode without gathers (8-bit: VBMI byte permutes; 4-bit: AVX-512 vpermps).
 template <typename T, int MODE, bool LUT, int BITS, bool VBMI = false>
 MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t block,
                            const AdamScalars& s, const Maps& mp, uint64_t seed, uint64_t stream) {
   T* __restrict p = static_cast<T*>(ops[kQParam]) + begin;
   const T* __restrict g = static_cast<const T*>(ops[kQGrad]) + begin;
-  static_assert(BITS == 8 || !VBMI, "the VBMI decode reads one code per byte");
   // element offsets below are relative to `begin`, which is block-aligned (so even)
   uint8_t* __restrict c1 = static_cast<uint8_t*>(ops[kQExpAvg]) + begin * BITS / 8;
   uint8_t* __restrict c2 = static_cast<uint8_t*>(ops[kQExpAvgSq]) + begin * BITS / 8;
@@ -140,8 +153,13 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
       const int64_t o = b0 + t0;
       if constexpr (VBMI) {
 #if MPF_8BIT_ISAS
-        decode_tile_vbmi(mp.enc1->planes, map1, c1 + o, d1, tl);
-        decode_tile_vbmi(mp.enc2->planes, map2, c2 + o, d2, tl);
+        if constexpr (BITS == 8) {
+          decode_tile_vbmi(mp.enc1->planes, map1, c1 + o, d1, tl);
+          decode_tile_vbmi(mp.enc2->planes, map2, c2 + o, d2, tl);
+        } else {  // o is even: tiles start on a byte
+          decode_tile4_avx512(map1, c1 + o / 2, d1, tl);
+          decode_tile4_avx512(map2, c2 + o / 2, d2, tl);
+        }
 #endif
       } else {
         load_codes<BITS>(c1, o, in1, tl);
@@ -211,14 +229,14 @@ void chunk_base(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT, BITS>(ops, b
 template <typename T, int MODE, bool LUT, int BITS>
 MPF_8BIT_V3 void chunk_v3(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT, BITS>(ops, begin, n, block, s, mp, seed, stream); }
 template <typename T, int MODE, bool LUT, int BITS>
-MPF_8BIT_V4 void chunk_v4(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT, BITS>(ops, begin, n, block, s, mp, seed, stream); }
+MPF_8BIT_V4 void chunk_v4(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT, BITS, BITS == 4>(ops, begin, n, block, s, mp, seed, stream); }
 template <typename T, int MODE, bool LUT>
 MPF_8BIT_VBMI void chunk_vbmi(MPF_8BIT_CHUNK_ARGS) { adam8bit_chunk<T, MODE, LUT, 8, true>(ops, begin, n, block, s, mp, seed, stream); }
 #endif
 
 // The table-driven encode on the fastest ISA; maps the tables cannot encode exactly (never the
 // bitsandbytes or torchao maps) take the binary search, baseline build only. 4-bit codes take
-// the v4 build on a VBMI CPU (the VBMI decode is for one code per byte).
+// the v4 build on a VBMI CPU, which decodes them with vpermps (the VBMI decode is for bytes).
 template <typename T, int MODE, int BITS>
 ChunkFn pick_lut(bool lut) {
   if (!lut) return &chunk_base<T, MODE, false, BITS>;
