@@ -12,6 +12,7 @@ import torch
 
 from mpfused.distributed import is_dtensor
 from mpfused.distributed import local as _local
+from mpfused.distributed_4bit import from_global4, to_global4
 from mpfused.distributed_8bit import _from_global, _like_param, _to_global
 from mpfused.optim._overrides import _kept_32bit_ids
 from mpfused import quant4
@@ -189,10 +190,10 @@ def _globalize(optimizer, state_dict, quant) -> None:
         for q in quant:
             if not is_codes(saved.get(q.key)) or is_dtensor(saved[q.key]):
                 continue
-            if q.bits == 4:
-                raise NotImplementedError(
-                    f"mpfused.{type(optimizer).__name__}: state_dict() of DTensor params with "
-                    "4-bit state (the global layout of packed codes) is not implemented yet")
+            if q.bits == 4:  # packed codes: aligned shards only (mpfused/distributed_4bit.py)
+                saved[q.key], saved[q.absmax_key] = to_global4(
+                    p, saved[q.key], saved[q.absmax_key], group["block_size"])
+                continue
             saved[q.key], saved[q.absmax_key] = _to_global(
                 p, saved[q.key], saved[q.absmax_key], q.qmap(local.device), group["block_size"])
         state_dict["state"][pid] = saved
@@ -319,9 +320,6 @@ def _check_and_stash_8bit(optimizer, state_dict):
                     "a block-wise state is only valid for the block size it was quantized with. "
                     f"Construct the optimizer with block_size={block}.")
             _check_saved_absmax(saved, quant, p, block, where)
-    if quant[0].bits == 4 and any(is_dtensor(v) for st in new_state.values() for v in st.values()):
-        raise NotImplementedError(f"mpfused.{type(optimizer).__name__}: loading DTensor (DCP) "
-                                  "4-bit state is not implemented yet")
     optimizer._loading_8bit = (saved_groups, new_state)
     out = {k: v for k, v in state_dict.items() if k != "mpfused_8bit"}
     out.update(state=new_state, param_groups=groups)
@@ -347,8 +345,9 @@ def _restore_8bit(optimizer):
             codes, absmax = saved.get(q.key), saved.get(q.absmax_key)
             if (is_codes(codes) and isinstance(absmax, torch.Tensor)
                     and (is_dtensor(codes) or is_dtensor(absmax))):  # DCP: the global layout
-                saved[q.key], saved[q.absmax_key] = _from_global(
-                    p, codes, absmax, q.qmap(local.device), group["block_size"])
+                saved[q.key], saved[q.absmax_key] = (
+                    from_global4(p, codes, absmax, group["block_size"]) if q.bits == 4 else
+                    _from_global(p, codes, absmax, q.qmap(local.device), group["block_size"]))
         for q in quant:
             for key in (q.key, q.absmax_key):
                 value = saved.get(key)
