@@ -36,7 +36,7 @@ def test_bench_tiny_run_writes_every_recipe(tmp_path):
     native = recipes["native"]
     assert native["status"] == "ok" and native["final_loss_gap_pct"] == 0
     # our own recipes must run on the CPU: "unavailable" there would hide a crash
-    for ours in ("mpfused", "mpfused-8bit"):
+    for ours in ("mpfused", "mpfused-8bit", "mpfused-4bit"):
         assert recipes[ours]["status"] == "ok", recipes[ours].get("reason")
     # fp32 weights, grads, exp_avg and exp_avg_sq: 16 B/param (+ a few bytes of step counters).
     assert 16 <= native["state_bytes_per_param"]["total"] < 16.1
