@@ -182,12 +182,12 @@ __device__ __forceinline__ void run_chunk(Shared& sh, const MtaChunk<kAdam8bitDe
   const T* g = static_cast<const T*>(c.ptr[kQ8Grad]) + c.begin;
   uint8_t* c1 = static_cast<uint8_t*>(c.ptr[kQ8ExpAvg]) + c.begin;
   uint8_t* c2 = static_cast<uint8_t*>(c.ptr[kQ8ExpAvgSq]) + c.begin;
-  float* master = MODE == kFp32Master ? static_cast<float*>(c.ptr[kQ8Master]) + c.begin : nullptr;
-  int16_t* rem = MODE == kRemainder ? static_cast<int16_t*>(c.ptr[kQ8Master]) + c.begin : nullptr;
+  using M = master_t<MODE>;
+  constexpr bool kHasM = MasterStore<MODE>::kStored;
+  M* mst = master_operand<MODE>(c.ptr[kQ8Master], c.begin);
   const bool vec = aligned(p, kVec * sizeof(T)) && aligned(g, kVec * sizeof(T)) &&
                    aligned(c1, kVec) && aligned(c2, kVec) &&
-                   (MODE != kFp32Master || aligned(master, kVec * sizeof(float))) &&
-                   (MODE != kRemainder || aligned(rem, kVec * sizeof(int16_t)));
+                   (!kHasM || aligned(mst, kVec * sizeof(M)));
 
   // Pass k: thread t owns elements e = 2048 k + 4t .. +3 (one quantization block). The updated
   // fp32 moments go to shared memory (the thread's own slots) until the absmax is known, so a
@@ -203,14 +203,12 @@ __device__ __forceinline__ void run_chunk(Shared& sh, const MtaChunk<kAdam8bitDe
     if (cnt > 0) {
       T pv[kVec], gv[kVec];
       uint8_t k1[kVec], k2[kVec];
-      float wv[kVec];
-      int16_t rv[kVec];
+      M mv_[kVec] = {};
       load_n(p, e, cnt, vec, pv);
       load_n(g, e, cnt, vec, gv);
       load_n(c1, e, cnt, vec, k1);
       load_n(c2, e, cnt, vec, k2);
-      if constexpr (MODE == kFp32Master) load_n(master, e, cnt, vec, wv);
-      if constexpr (MODE == kRemainder) load_n(rem, e, cnt, vec, rv);
+      if constexpr (kHasM) load_n(mst, e, cnt, vec, mv_);
       const float a1 = absmax1[e >> lb];  // the OLD absmax (overwritten after the barriers)
       const float a2 = absmax2[e >> lb];
 #pragma unroll
@@ -219,38 +217,20 @@ __device__ __forceinline__ void run_chunk(Shared& sh, const MtaChunk<kAdam8bitDe
         vv.v[j] = 0.f;
         if (j >= cnt) continue;
         // cpu::adam8bit_chunk's loop body (load_weight / adam_element / store_weight).
-        float w;
-        if constexpr (MODE == kFp32Master) w = wv[j];
-        else if constexpr (MODE == kRemainder) w = remainder_join(pv[j].bits, rv[j]);
-        else w = to_f32(pv[j]);
+        float w = load_weight<T, MODE>(pv[j], mv_[j]);
         float m = quant8_decode(sh.map1, k1[j], a1);
         float v = quant8_decode(sh.map2, k2[j], a2);
         float unused = 0.f;
         adam_element<false>(w, to_f32(gv[j]), m, v, unused, s);
-        if constexpr (MODE == kFp32Master) {
-          wv[j] = w;
-          pv[j] = from_f32<T>(w);
-        } else if constexpr (MODE == kRemainder) {
-          uint16_t hi;
-          int16_t lo;
-          remainder_split(w, hi, lo);
-          pv[j] = T{hi};
-          rv[j] = lo;
-        } else if constexpr (MODE == kStochastic) {
-          pv[j] = T{bf16_bits_stochastic(
-              w, random16(seed, reinterpret_cast<uint64_t>(c.ptr[kQ8Stream]),
-                          uint64_t(c.begin + (e + j))))};
-        } else {
-          pv[j] = from_f32<T>(w);
-        }
+        store_weight<T, MODE>(w, pv[j], mv_[j], seed, reinterpret_cast<uint64_t>(c.ptr[kQ8Stream]),
+                              c.begin + (e + j));
         mv.v[j] = m;
         vv.v[j] = v;
         x1 = umax(x1, f32_bits(fabsf(m)));
         x2 = umax(x2, f32_bits(fabsf(v)));
       }
       store_n(p, e, cnt, vec, pv);
-      if constexpr (MODE == kFp32Master) store_n(master, e, cnt, vec, wv);
-      if constexpr (MODE == kRemainder) store_n(rem, e, cnt, vec, rv);
+      if constexpr (kHasM) store_n(mst, e, cnt, vec, mv_);
       *reinterpret_cast<VecN<float, kVec>*>(sh.mst + e) = mv;
       *reinterpret_cast<VecN<float, kVec>*>(sh.vst + e) = vv;
     }
@@ -321,15 +301,15 @@ __device__ __forceinline__ void run_block(Shared& sh, const MtaChunk<kAdam8bitDe
                                           const Adam8bitConfig& cfg, const Workspace& ws) {
   // Skipped step: every block leaves before touching anything (uniform branch).
   if (cfg.found_inf != nullptr && *cfg.found_inf > 0.f) return;
-  switch (c.dtype) {
-    case kFloat32:  // fp32 params are their own master
-      run_chunk<float, kNoMaster>(sh, c, cfg, ws);
+  switch (c.dtype) {  // effective_master_mode: fp32 params are their own master
+    case kFloat32:
+      run_chunk<float, effective_master_mode<float>(MODE)>(sh, c, cfg, ws);
       break;
     case kFloat16:
-      run_chunk<f16_t, MODE == kFp32Master ? kFp32Master : kNoMaster>(sh, c, cfg, ws);
+      run_chunk<f16_t, effective_master_mode<f16_t>(MODE)>(sh, c, cfg, ws);
       break;
     default:
-      run_chunk<bf16_t, MODE>(sh, c, cfg, ws);
+      run_chunk<bf16_t, effective_master_mode<bf16_t>(MODE)>(sh, c, cfg, ws);
       break;
   }
 }
@@ -371,12 +351,9 @@ cudaError_t adam8bit_step(const TensorLists<kAdam8bitDepth>& t, const Adam8bitCo
   if (workspace == nullptr || (reinterpret_cast<uintptr_t>(workspace) & 15) != 0)
     return cudaErrorInvalidValue;
   if (t.size == 0) return cudaSuccess;
-  switch (cfg.master_mode) {
-    case kFp32Master: return launch<kFp32Master>(t, cfg, workspace, stream);
-    case kRemainder: return launch<kRemainder>(t, cfg, workspace, stream);
-    case kStochastic: return launch<kStochastic>(t, cfg, workspace, stream);
-    default: return launch<kNoMaster>(t, cfg, workspace, stream);
-  }
+  // bf16 has every mode: the kernel narrows it per dtype (effective_master_mode)
+  return dispatch_master_mode(kBFloat16, cfg.master_mode,
+                              [&](auto, auto m) { return launch<decltype(m)::value>(t, cfg, workspace, stream); });
 }
 
 size_t adam8bit_workspace_bytes(int64_t ntensors) { return q8::workspace_bytes(ntensors); }

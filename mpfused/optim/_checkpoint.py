@@ -23,8 +23,10 @@ def _plain_dicts(optimizer, state_dict):
 # the param's device (floating state as fp32, integer state as saved), converting a
 # torch.optim.AdamW state on the way (16-bit moments become fp32, a missing master is taken from
 # the param).
+# master_remainder8: the int8 correction of master_weights="remainder8" (bits 8..15 of the master
+# rounded to 24 bits; the param holds bits 16..31 rounded to nearest), saved as is.
 PER_ELEMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "master",
-                    "master_remainder")
+                    "master_remainder", "master_remainder8")
 # AdamW8bit (v2) / bitsandbytes (>= 0.49.2 nests its quantized keys under the last one)
 _8BIT_SAVED_KEYS = ("state1", "state2", "absmax1", "absmax2", "__bnb_optimizer_quant_state__")
 
@@ -41,6 +43,8 @@ def _allowed_state_dtypes(optimizer, key):
     """None: any floating dtype (cast to fp32 on load); else the exact dtypes accepted."""
     if key == "master_remainder":
         return (torch.int16,)
+    if key == "master_remainder8":
+        return (torch.int8,)
     if any(key == k for k, _ in optimizer._QUANT_STATES):
         return (torch.uint8, torch.float32, torch.float16, torch.bfloat16)  # codes or 32-bit
     return None
