@@ -77,6 +77,8 @@ def test_trajectory_within_the_24_bit_bound_of_fp32_masters(name, backend):
     shrinks an error), so the errors only add up. A bf16-only master would be off by 2^-9 |w|
     per step (30x more); the 8-bit optimizers have 8-bit state (the check shows it is used)."""
     cls, _ = OPTIMIZERS[name]
+    if backend == "triton" and name not in ("AdamW8bit", "Lion"):
+        pytest.skip("the Triton interpreter is slow: two cases (the others: backend agreement)")
     _backend_or_skip(cls, backend)
     p8, o8 = _run(name, "remainder8", backend)
     p32, o32 = _run(name, "fp32", backend)
@@ -202,9 +204,10 @@ def _value_any(p, st):
 
 
 def test_errors_name_the_rule():
+    half = torch.nn.Parameter(torch.ones(3, dtype=torch.float16))
+    half.grad = torch.ones_like(half)
     with pytest.raises(ValueError, match="remainder8.*bfloat16"):
-        mpfused.AdamW([torch.nn.Parameter(torch.ones(3, dtype=torch.float16))],
-                      master_weights="remainder8").step()
+        mpfused.AdamW([half], master_weights="remainder8").step()
     with pytest.raises(ValueError, match="master_weights must be one of"):
         mpfused.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1, master_weights="remainder4")
     p, grad = torch.ones(4, dtype=BF16), torch.ones(4, dtype=BF16)
