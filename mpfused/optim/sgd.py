@@ -1,7 +1,7 @@
 """``mpfused.SGD``: a drop-in for ``torch.optim.SGD`` (momentum, dampening, Nesterov, L2 weight
 decay, maximize, float or tensor lr) that trains fp32, fp16 or bf16 parameters with one fused
 multi-tensor kernel per (device, dtype), with the engine's master weights (``master_weights=``
-"fp32" / "remainder" / "none"), GradScaler protocol and fused clipping (``max_grad_norm=``).
+"fp32" / "remainder" / "remainder8" / "none"), GradScaler protocol and fused clipping (``max_grad_norm=``).
 
 State per param: ``momentum_buffer`` (fp32, only when momentum != 0, as torch), ``step`` (a 0-d
 fp32 counter torch's SGD does not keep: it makes the first step, whose buffer is the gradient
