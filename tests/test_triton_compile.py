@@ -82,8 +82,8 @@ def _values(kernels, key):
 
 # (param dtype code, kernel master mode) pairs the optimizers launch: fp32 params are their own
 # master; fp16 params have an fp32 master or none; bf16 params an fp32 master, the remainder
-# (2) or none, which for bf16 is stochastic rounding (3)
-MODE_PAIRS = {(0, 0), (1, 0), (1, 1), (2, 1), (2, 2), (2, 3)}
+# (2), the one-byte correction (4) or none, which for bf16 is stochastic rounding (3)
+MODE_PAIRS = {(0, 0), (1, 0), (1, 1), (2, 1), (2, 2), (2, 3), (2, 4)}
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -137,8 +137,8 @@ def _drive_optimizer(decoupled_cls, coupled_cls, flags, **fixed):
             kw["amsgrad"] = True
         _step(cls(_params(dtypes), **kw), "scaler" in on)
 
-    for master in ("fp32", "none", "remainder"):
-        dtypes = [torch.bfloat16] if master == "remainder" else ALL_DTYPES  # bf16 only has one
+    for master in ("fp32", "none", "remainder", "remainder8"):
+        dtypes = [torch.bfloat16] if master.startswith("remainder") else ALL_DTYPES  # bf16 only
         step(decoupled_cls, dtypes, master, ())
         step(decoupled_cls, dtypes, master, flags)
         step(coupled_cls, dtypes, master, flags)
@@ -174,8 +174,8 @@ def _drive_class(cls, flags, options=lambda on: {}):
                   backend="triton", **options(on))
         _step(opt, "scaler" in on)
 
-    for master in ("fp32", "none", "remainder"):
-        dtypes = [torch.bfloat16] if master == "remainder" else ALL_DTYPES  # bf16 only has one
+    for master in ("fp32", "none", "remainder", "remainder8"):
+        dtypes = [torch.bfloat16] if master.startswith("remainder") else ALL_DTYPES  # bf16 only
         step(dtypes, master, ())
         step(dtypes, master, flags)
     for flag in flags:
@@ -203,8 +203,9 @@ def _drive_8bit_op(fn, flags, options):
 
     def step(dtypes, master, on, block=256, seed=0):
         params = [torch.randn(SIZE).to(dt) for dt in dtypes]
-        masters = ([p.float() if master == 1 else torch.zeros(SIZE, dtype=torch.int16)
-                    for p in params] if master in (1, 2) else [])
+        int_dtype = torch.int8 if master == 4 else torch.int16
+        masters = ([p.float() if master == 1 else torch.zeros(SIZE, dtype=int_dtype)
+                    for p in params] if master in (1, 2, 4) else [])
         fn(params, [torch.randn_like(p) for p in params],
            [torch.zeros(SIZE, dtype=torch.uint8) for _ in params],
            [torch.ones(-(-SIZE // block)) for _ in params], masters,
@@ -216,8 +217,8 @@ def _drive_8bit_op(fn, flags, options):
            norm_sq=torch.ones(1) if "clip" in on else None,
            max_grad_norm=1.0 if "clip" in on else 0.0, seed=seed, **options(on))
 
-    for master in (1, 3, 2):  # an fp32 master, none (stochastic rounding for bf16), remainder
-        dtypes = [torch.bfloat16] if master == 2 else ALL_DTYPES  # bf16 only has one
+    for master in (1, 3, 2, 4):  # fp32 master, none (stochastic for bf16), remainder, remainder8
+        dtypes = [torch.bfloat16] if master in (2, 4) else ALL_DTYPES  # bf16 only has one
         step(dtypes, master, ())
         step(dtypes, master, flags)
     for flag in flags:
