@@ -1,6 +1,7 @@
-"""SGD, Lion, SGD8bit and Lion8bit (issue 22): bad constructor arguments raise what the peer
-raises (exception type and full message), a torch.optim.SGD continues from mpfused.SGD's
-state_dict, and an LR scheduler's lr reaches every step's kernel (float and tensor lr).
+"""SGD, Lion, SGD8bit and Lion8bit as drop-ins (issue 22): bad constructor arguments raise what
+the peer raises (exception type and full message), a torch.optim.SGD continues from mpfused.SGD's
+state_dict (and torch < 2.1's ``momentum_buffer: None`` loads), and an LR scheduler's lr reaches
+every step's kernel (float and tensor lr).
 
 Peers: torch.optim.SGD for SGD and SGD8bit; bitsandbytes' Lion / Lion8bit for ours (torch has
 no Lion). Documented differences, pinned here:
@@ -104,6 +105,29 @@ def test_torch_sgd_continues_from_mpfused_state_dict(kw):
         o_torch.step()
     for a, b in zip(twin, ours):
         torch.testing.assert_close(b, a, **TRAJ_TOL)
+
+
+def test_torch_legacy_none_momentum_buffer_loads():
+    """torch < 2.1 saved ``momentum_buffer: None`` for momentum 0: mpfused.SGD loads it (no buffer,
+    its counter starts at 0) and steps as torch.optim.SGD."""
+    ours, ref = _params(), _params()
+    sd = {"state": {i: {"momentum_buffer": None} for i in range(len(ours))},
+          "param_groups": [dict(lr=0.05, momentum=0, dampening=0, weight_decay=0.1,
+                                nesterov=False, maximize=False, foreach=None,
+                                differentiable=False, fused=None, params=[0, 1, 2])]}
+    opt = mpfused.SGD(ours, lr=0.05, weight_decay=0.1)
+    opt.load_state_dict(sd)
+    o_ref = torch.optim.SGD(ref, lr=0.05, weight_decay=0.1, foreach=False)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        for p, q, g in zip(ours, ref, _grads(ours, gen)):
+            p.grad, q.grad = g, g.clone()
+        opt.step()
+        o_ref.step()
+    for a, b in zip(ref, ours):
+        torch.testing.assert_close(b, a, **TRAJ_TOL)
+    # adopted at the first step: no buffer, a counter that started at 0
+    assert all(set(opt.state[p]) == {"step"} and opt.state[p]["step"].item() == 2 for p in ours)
 
 
 SCHEDULED = {
