@@ -122,7 +122,7 @@ class Op:
         return _run_eagerly(self, backend, args)
 
 
-@torch._dynamo.disable
+@torch.compiler.disable
 def _run_eagerly(op: "Op", backend: str, args):
     """An explicit Triton/reference request under ``torch.compile`` runs eagerly behind a graph
     break: traced, its Python would be re-fused by the compiler and round differently from the
@@ -151,14 +151,14 @@ def define_op(schema: str, *, reference: Callable, fake: Callable | None = None,
     in_place = schema.endswith("-> ()")
     if in_place:
         reference = _no_derivative(reference)
+    op = Op(name=name, schema=schema, reference=reference, triton_path=triton)
     torch.library.register_fake(qual, fake or _no_output_fake, lib=_LIB)
-    torch.library.register_kernel(qual, "default", reference, lib=_LIB)
+    torch.library.register_kernel(qual, "default", router.reference_kernel(op), lib=_LIB)
     if in_place:
         # No outputs, so no derivative to record: autograd passes the call straight on. Torch's
         # default autograd fallback would box it (turn every tensor list into an IValue list and
         # back: ~0.5 us per tensor, 5 ms of a call with 10,000 tensors) only to attach nothing.
         _LIB.impl(name, torch.library.fallthrough_kernel, "Autograd")
-    op = Op(name=name, schema=schema, reference=reference, triton_path=triton)
     OPS[name] = op
     if router.REQUEST is not None:  # defined after import: routed now, as the others were then
         router.route(op)

@@ -133,7 +133,7 @@ def _register(op, device_type: str, chosen: str) -> None:
     if chosen == "triton":
         kernel = _triton_kernel(op)
     elif chosen == "reference":
-        kernel = op.reference
+        kernel = reference_kernel(op)
     else:
         kernel = _refusing_kernel(unavailable_message(op, device_type, REQUEST, "MPFUSED_BACKEND"))
     with _quiet_override():
@@ -145,6 +145,13 @@ def _triton_kernel(op):
         return op.triton(*args, **kwargs)
     triton_kernel.__name__ = f"{op.name}_triton"
     return triton_kernel
+
+
+def reference_kernel(op):
+    def reference_kernel(*args, **kwargs):  # op.reference looked up per call, as op.triton
+        return op.reference(*args, **kwargs)
+    reference_kernel.__name__ = f"{op.name}_reference"
+    return reference_kernel
 
 
 def _refusing_kernel(message: str):
