@@ -33,7 +33,8 @@ def spy(op, kind, real):
         return real(*args, **kwargs)
     return run
 for op in OPS.values():  # a spy on the reference stands in for Triton: no import, no GPU
-    op.reference, op._triton_fn = spy(op, "reference", op.reference), spy(op, "triton", op.reference)
+    real = op.reference
+    op.reference, op._triton_fn = spy(op, "reference", real), spy(op, "triton", real)
 def call(key=None):
     g, f = [torch.tensor([4., 1.])], torch.zeros(())
     try:
@@ -73,7 +74,8 @@ def _subprocess(key: str) -> subprocess.CompletedProcess:
     """Every fresh-process check of this file, started together on first use (the imports are
     most of their cost), then waited for one by one."""
     if not _procs:
-        base = {k: v for k, v in os.environ.items() if k not in ("MPFUSED_BACKEND", "MPFUSED_NO_EXT")}
+        base = {k: v for k, v in os.environ.items()
+                if k not in ("MPFUSED_BACKEND", "MPFUSED_NO_EXT")}
         runs = {f"probe-{i}": (PROBE, {"TRITON_INTERPRET": "0", **env}) for i, env in ENVS.items()}
         runs.update({f"gpu-{r}": (GPU_MOCK.replace("RUNS", str(r)), {}) for r in (True, False)})
         runs["bad-env"] = ("import mpfused", {"MPFUSED_BACKEND": "cuda-fast"})
@@ -140,7 +142,7 @@ def test_dispatcher_runs_what_the_router_registered(env_id, cpu, cuda, adamw):
 def test_decision_table(device, request_, native, triton, interpret):
     got = router.decide(device, request_, native=native, triton=triton, interpret=interpret)
     triton_here = triton and (device == "cuda" or interpret)
-    if request_ == "auto":  # native, else Triton on CUDA only (never the interpreter), else reference
+    if request_ == "auto":  # native, else Triton on CUDA only (not the interpreter), else reference
         want = "native" if native else "triton" if triton and device == "cuda" else "reference"
     else:
         can = {"native": native, "triton": triton_here, "reference": True}[request_]

@@ -54,7 +54,7 @@ class Op:
     schema: str
     reference: Callable
     triton_path: str | None = None  # "module:function", imported on first use
-    routes: dict = field(default_factory=dict, repr=False)  # device type -> what the dispatcher runs
+    routes: dict = field(default_factory=dict, repr=False)  # device type -> what torch.ops runs
     native_keys: dict = field(default_factory=dict, repr=False)  # device type -> extension kernel?
     _overload: object = field(default=None, repr=False)
     _triton_fn: Callable | None = field(default=None, repr=False)

@@ -55,7 +55,8 @@ def read_request() -> str:
 
 def triton_installed() -> bool:
     """Triton and mpfused's Triton kernels can be imported (checked without importing them)."""
-    return all(importlib.util.find_spec(m) is not None for m in ("triton", "mpfused.triton_kernels"))
+    return all(importlib.util.find_spec(m) is not None
+               for m in ("triton", "mpfused.triton_kernels"))
 
 
 def decide(device_type: str, request: str, *, native: bool, triton: bool, interpret: bool) -> str:
