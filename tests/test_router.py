@@ -19,13 +19,23 @@ from mpfused.ops import OPS, router
 ROOT = Path(__file__).resolve().parents[1]
 NATIVE = _extension.load() is not None
 
-# In a fresh process: spies on every op's reference and Triton function, one unscale_grads_ call
-# through torch.ops on CPU and one through the CUDA key (redispatch, CPU tensors), one AdamW step.
+# In a fresh process: opcheck of adam_step_ where a Python kernel serves CPU; then spies on every
+# op's reference and Triton function, one unscale_grads_ call through torch.ops on CPU and one
+# through the CUDA key (redispatch, CPU tensors), one AdamW step.
 PROBE = r"""
 import json, warnings
 warnings.simplefilter("error")  # the router's overrides must not warn
 import torch, mpfused
 from mpfused.ops import OPS, router
+opcheck = None
+if router.REQUEST in ("reference", "triton") and OPS["adam_step_"].route("cpu") != "unavailable":
+    from tests.test_adam_kernels import BF16, FP32_MASTER, make_state, op_args  # real kernels
+    s = make_state([(7,), (0,), (3, 5)], BF16, FP32_MASTER, True, "cpu")
+    torch.library.opcheck(OPS["adam_step_"].overload, op_args(
+        s, master_mode=FP32_MASTER, amsgrad=True, lr_tensor=torch.tensor(1e-3),
+        grad_scale=torch.tensor(2.0), found_inf=torch.zeros(()), norm_sq=torch.tensor(4.0),
+        max_grad_norm=1.0, seed=3))
+    opcheck = OPS["adam_step_"].route("cpu")
 ran = []
 def spy(op, kind, real):
     def run(*args, **kwargs):
@@ -47,7 +57,7 @@ def call(key=None):
         return "refused: " + str(exc)
     assert g[0].tolist() == [2., .5], g
     return ran.pop() if ran else "native"
-out = {"request": router.REQUEST, "routes": {n: o.routes for n, o in OPS.items()},
+out = {"request": router.REQUEST, "opcheck": opcheck, "routes": {n: o.routes for n, o in OPS.items()},
        "cpu": call(), "cuda": call("CUDA")}
 p = torch.nn.Parameter(torch.ones(3))
 p.grad = torch.ones(3)
@@ -128,6 +138,8 @@ def test_dispatcher_runs_what_the_router_registered(env_id, cpu, cuda, adamw):
             if want_route == "triton" and OPS[name].triton_path is None:
                 continue
             assert routes[key] == want_route, (name, key, routes)
+    # opcheck (schema, fake kernel, aot dispatch) passes on the Python kernels the router registered
+    assert out["opcheck"] == (cpu if env_id in ("reference", "triton-interpret") else None)
     if adamw == "refused":
         assert out["adamw"].startswith("refused:"), out["adamw"]
     else:
