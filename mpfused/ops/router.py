@@ -136,7 +136,8 @@ def _register(op, device_type: str, chosen: str) -> None:
     elif chosen == "reference":
         kernel = reference_kernel(op)
     else:
-        kernel = _refusing_kernel(unavailable_message(op, device_type, REQUEST, "MPFUSED_BACKEND"))
+        kernel = _refusing_kernel(unavailable_message(op, device_type, REQUEST,
+                                                     "MPFUSED_BACKEND at `import mpfused`"))
     with _quiet_override():
         _LIB.impl(op.name, kernel, KEYS[device_type])
 
