@@ -9,7 +9,6 @@ import torch
 from torch._dynamo.utils import counters
 
 import mpfused
-from mpfused.ops import OPS
 from tests.test_compile import _model, _state
 
 
@@ -53,9 +52,7 @@ def _optimizer_loop(compiled, cls, kwargs, steps=4):
 def test_fullgraph_optimizer_step_equals_eager(case):
     """No graph break, equal to eager bit for bit (params, masters, momentum / moment, 8-bit
     codes and absmax, steps), and two graphs in all."""
-    cls, kwargs, op = CASES[case]
-    if not OPS[op].native_available("cpu"):
-        pytest.skip("fullgraph needs the native kernel (Triton/reference graph-break)")
+    cls, kwargs, _ = CASES[case]  # whichever kernel the router registered: one opaque node
     eager = _optimizer_loop(False, cls, kwargs)
     compiled = _optimizer_loop(True, cls, kwargs)
     assert len(eager) == len(compiled)
