@@ -49,26 +49,11 @@
 #include "adam8bit_prepare.cuh"
 #include "mpfused/quant8_math.h"
 #include "multi_tensor_apply.cuh"
+#include "quant8_block_cuda.cuh"
 
 namespace mpfused::cuda {
 namespace q8 {
 
-constexpr int kWarp = 32;
-constexpr int kWarps = kBlockSize / kWarp;
-constexpr int kVec = 4;                                  // consecutive elements per access
-constexpr int64_t kPassElems = int64_t(kBlockSize) * kVec;  // 2048
-constexpr int64_t kChunk = 4096;                         // multi_tensor_apply chunk size
-constexpr int kPasses = int(kChunk / kPassElems);        // 2
-constexpr int64_t kMinBlock = 64, kMaxBlock = 4096;
-constexpr int kMaxQBlocks = int(kChunk / kMinBlock);     // quantization blocks per chunk (<= 64)
-constexpr int64_t kWarpElems = int64_t(kWarp) * kVec;    // elements of one warp in one pass: 128
-constexpr int kPartials = int(kChunk / kWarpElems);      // stage-A partials per chunk: 32
-
-static_assert(kChunk % kMaxBlock == 0, "a chunk must hold whole quantization blocks");
-static_assert(kChunk % kPassElems == 0, "a chunk is whole passes");
-static_assert(kMinBlock % kVec == 0, "a vector never straddles two quantization blocks");
-static_assert(kMinBlock / kVec >= 2 && kMinBlock / kVec <= 2 * kWarp, "stage-A segments");
-static_assert(kPartials <= kWarp, "stage B runs on one warp");
 static_assert(kBlockSize == 2 * kQuantCodes, "setup: one thread per map entry of both maps");
 
 struct alignas(16) Shared {  // 16: the parked moments are accessed as 16-byte vectors
@@ -89,48 +74,6 @@ struct alignas(16) Shared {  // 16: the parked moments are accessed as 16-byte v
 // Bank of eyt[k] = k mod 32, as tests/test_quant8_eytzinger.py's conflict count assumes.
 static_assert(offsetof(Shared, eyt1) % 128 == 0 && offsetof(Shared, eyt2) % 128 == 0,
               "Eytzinger thresholds start at bank 0");
-
-template <typename T, int V>
-struct alignas(sizeof(T) * V) VecN {
-  T v[V];
-};
-
-__device__ __forceinline__ bool aligned(const void* p, unsigned bytes) {
-  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
-}
-
-__device__ __forceinline__ uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
-
-// kVec elements from p[e..]: one vector access when `vec` and the whole vector is in range,
-// else element by element (the first cnt). Out-of-range entries are left as they are.
-template <typename T>
-__device__ __forceinline__ void load_n(const T* p, int e, int cnt, bool vec,
-                                       T* out) {
-  if (vec && cnt >= kVec) {
-    const VecN<T, kVec> x = *reinterpret_cast<const VecN<T, kVec>*>(p + e);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) out[j] = x.v[j];
-  } else {
-#pragma unroll
-    for (int j = 0; j < kVec; ++j)
-      if (j < cnt) out[j] = p[e + j];
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ void store_n(T* p, int e, int cnt, bool vec,
-                                        const T* in) {
-  if (vec && cnt >= kVec) {
-    VecN<T, kVec> x;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) x.v[j] = in[j];
-    *reinterpret_cast<VecN<T, kVec>*>(p + e) = x;
-  } else {
-#pragma unroll
-    for (int j = 0; j < kVec; ++j)
-      if (j < cnt) p[e + j] = in[j];
-  }
-}
 
 // One chunk (whole quantization blocks) of one tensor, run by all kBlockSize threads of a block.
 // T / MODE: the effective storage type and master mode (cpu::pick_kernel's choice).
