@@ -352,6 +352,8 @@ RESOURCE_BUDGET = {"adam8bit_cuda.cu": {"registers": 64, "spill_stores": 8},
                    "adam_cuda.cu": {"registers": 64, "spill_stores": 0},
                    "amp_cuda.cu": {"registers": 128, "spill_stores": 0},
                    "lion_cuda.cu": {"registers": 64, "spill_stores": 0},
+                   "lion8bit_cuda.cu": {"registers": 64, "spill_stores": 0},
+                   "sgd8bit_cuda.cu": {"registers": 64, "spill_stores": 0},
                    "sgd_cuda.cu": {"registers": 64, "spill_stores": 0},
                    "step_counters_cuda.cu": {"registers": 32, "spill_stores": 0}}
 
