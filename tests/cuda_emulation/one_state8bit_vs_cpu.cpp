@@ -4,8 +4,8 @@
 // kernels cpu::sgd8bit_step / cpu::lion8bit_step: every dtype x master mode, block sizes
 // 64..4096, SGD momentum / dampening / Nesterov / weight decay / maximize and its first step
 // (step counter 0: the buffer is the gradient), Lion, grad_scale, clipping, a device lr, tails,
-// misaligned (scalar-path) operands, launches that end mid-tensor, found_inf skips, bad maps and
-// bad arguments. The workspace starts as 0xFF bytes: a block reading an entry the prepare did
+// misaligned (scalar-path) operands, launches that end mid-tensor, found_inf skips, NaN / inf
+// gradients (NaN states: a NaN absmax), bad maps and bad arguments. The workspace starts as 0xFF bytes: a block reading an entry the prepare did
 // not write would change the bytes; on a skipped step it must still be all 0xFF.
 //
 // usage: one_state8bit_vs_cpu maps.bin [seed]   (maps.bin: 512 float32, the signed map first)
@@ -53,6 +53,7 @@ struct Case {
   int bad_map = 0;  // 1 unsorted, 2 no +0 (sorted), 3 +0 at index 0
   int64_t max_blocks = kMaxBlocksPerLaunch;
   bool zero_state = false;  // absmax 0
+  bool nonfinite = false;   // NaN / +-inf gradients in some elements (NaN states, NaN absmax)
 };
 
 constexpr double kLionBeta1 = 0.9, kLionBeta2 = 0.99;
@@ -87,6 +88,8 @@ void run_case(const Case& k, const float* map_in, const float* unsigned_map, uin
       const bool tiny = j % 7 == 3;
       const float gs = j % 101 == 50 ? 0.f : (tiny ? 1e-6f : 1.f) * (k.grad_scale ? 1024.f : 1.f);
       put(t.g, t.dtype, j, normal(rng) * gs);
+      if (k.nonfinite && j % 331 == 17)  // NaN, +inf, -inf in turn: NaN states and absmax
+        put(t.g, t.dtype, j, (j / 331) % 3 == 0 ? NAN : ((j / 331) % 3 == 1 ? INFINITY : -INFINITY));
       static_cast<uint8_t*>(t.c.ptr())[j] = uint8_t(k.zero_state || tiny ? 127 : byte(rng));
       if (mb == 4) {
         const float m = w + normal(rng) * 1e-4f;
@@ -335,6 +338,11 @@ int main(int argc, char** argv) {
       s.found = fi;
       if (std::isnan(fi)) s.name = "found_inf NaN runs (NaN > 0 is false)";
       cases.push_back(s);
+    }
+    for (int mode : {kNoMaster, kStochastic}) {
+      Case nf{"NaN / inf gradients", sizes, lion, mode, 128};
+      nf.nonfinite = nf.misalign = true;
+      cases.push_back(nf);
     }
     for (int bad : {1, 2, 3}) {
       Case b{"bad map poisons absmax", sizes, lion, kFp32Master, 256};
