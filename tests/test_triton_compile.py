@@ -44,6 +44,8 @@ def compiled():
     """{arch: the driver's report}, or the reason it failed."""
     out = tempfile.mkdtemp(prefix="mpfused-aot-")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # the checkout's mpfused, also where it is not pip-installed (the script runs as a file)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
 
     def run(arch):
         path = os.path.join(out, f"{arch}.json")

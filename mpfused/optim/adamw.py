@@ -33,6 +33,7 @@ __all__ = ["AdamW", "Adam", "MASTER_MODES"]
 
 
 class AdamW(FusedOptimizer):
+    _BNB_STATE_KEYS = ("exp_avg", "exp_avg_sq")  # bitsandbytes 32-bit state1/state2 (engine.py)
     _decoupled = True
     _GROUP_DEFAULTS = {**FusedOptimizer._GROUP_DEFAULTS, "amsgrad": False}
 

@@ -1,7 +1,7 @@
 """The engine every fused mpfused optimizer plugs into: ``FusedOptimizer``.
 
 A subclass says what is particular to its algorithm: its constructor and defaults, the state of a
-new param (``_init_state``), the per-element state keys it keeps (``_STATE_KEYS``), the operand
+new param (``_init_state``), its state keys in bitsandbytes' order (``_BNB_STATE_KEYS``), the operand
 lists and op of a bucket (``_fill_operands``), the scalars of a launch (``_hyper``, ``_launch``)
 and the group options its plans depend on (``_plan_extra``). The engine gives every optimizer the
 rest: master weights of 16-bit params (fp32, int16 remainder, int8 correction, stochastic rounding) and their
@@ -40,6 +40,9 @@ class FusedOptimizer(Optimizer):
     # Per-element state keys kept as 8-bit codes, with their maps: set by the 8-bit optimizers
     # (optim/state8bit.py); () keeps every state fp32.
     _QUANT_STATES: tuple = ()
+    # Its fp32 state keys in bitsandbytes' state1/state2 order: a bitsandbytes 32-bit
+    # checkpoint of the same optimizer loads (optim/_checkpoint.py).
+    _BNB_STATE_KEYS: tuple = ()
     # Group keys that a state_dict pickled before they existed lacks, with their defaults.
     _GROUP_DEFAULTS: dict = {"maximize": False, "capturable": False, "master_weights": "fp32"}
 
@@ -48,6 +51,10 @@ class FusedOptimizer(Optimizer):
         if master_weights not in MASTER_MODES:
             raise ValueError(f"master_weights must be one of {sorted(MASTER_MODES)}, got "
                              f"{master_weights!r}")
+
+    def _adopt_saved_group(self, sg) -> dict:
+        """A saved group (ours, torch's or bitsandbytes') with this optimizer's key names."""
+        return sg
 
     def _setup_engine(self, max_grad_norm, backend, seed) -> None:
         """The engine's attributes; a subclass's __init__ calls it after ``Optimizer.__init__``."""

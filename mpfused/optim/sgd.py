@@ -29,6 +29,7 @@ __all__ = ["SGD"]
 
 
 class SGD(FusedOptimizer):
+    _BNB_STATE_KEYS = ("momentum_buffer",)  # bitsandbytes 32-bit state1/state2 (engine.py)
     _GROUP_DEFAULTS = {**FusedOptimizer._GROUP_DEFAULTS, "nesterov": False, "foreach": None,
                        "differentiable": False, "fused": None}
 
@@ -91,6 +92,14 @@ class SGD(FusedOptimizer):
         s["step_"] = BoundOp(sgd_ops.sgd_step_, [s["local_params"], s["momentum_buffers"],
                                                  s["masters"], s["steps"]],
                              s["param_ids"], s["elem_offsets"])
+
+    def _adopt_saved_group(self, sg) -> dict:
+        if "momentum" in sg or "betas" not in sg:
+            return sg
+        # bitsandbytes' SGD / SGD8bit group: betas = (momentum, dampening), but it steps without
+        # dampening whatever betas[1] says; the loaded run continues as it trained
+        return {**{k: v for k, v in sg.items() if k != "betas"},
+                "momentum": float(sg["betas"][0]), "dampening": 0.0}
 
     # ---- step -------------------------------------------------------------------------------
     def _hyper(self, group, device) -> tuple:
