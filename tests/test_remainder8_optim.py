@@ -241,3 +241,40 @@ def test_estimate_memory_bytes_per_param():
     assert estimate_memory(n, "remainder8").bytes_per_param == 13
     model = torch.nn.Linear(4096, 64)
     assert estimate_memory(model, "8bit-remainder8").master == 4096 * 64 + 64
+
+
+def test_checkpoints_load_across_master_modes():
+    """An fp32-master checkpoint loads into remainder8 (the master rounded to 24 bits, the param
+    re-rounded from it); a remainder8 checkpoint loads into an fp32-master optimizer (the master
+    is the joined 24-bit value, exact) and into a remainder (int16) one (the same value). The
+    loaded groups carry the checkpoint's master_weights (torch restores group options): the
+    mode is set after the load, and the next step (here its plan) converts."""
+    def switch(o, mode, ps):
+        for group in o.param_groups:
+            group["master_weights"] = mode
+        for p in ps:
+            p.grad = torch.zeros_like(p)
+        o._plan(0, o.param_groups[0], [p.grad for p in ps], cache=False)
+
+    params = _params(5)
+    opt = mpfused.AdamW(params, lr=LR, backend="reference")
+    g = torch.Generator().manual_seed(6)
+    _grads(g, params)
+    opt.step()
+    masters = [opt.state[p]["master"].clone() for p in params]
+    p8 = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt8 = mpfused.AdamW(p8, lr=LR, master_weights="remainder8", backend="reference")
+    opt8.load_state_dict(copy.deepcopy(opt.state_dict()))
+    switch(opt8, "remainder8", p8)
+    for p, m in zip(p8, masters):
+        want_p, want_r = remainder8_split(m)
+        assert torch.equal(opt8.state[p]["master_remainder8"], want_r) and "master" not in opt8.state[p]
+        assert torch.equal(p.detach().view(torch.int16), want_p.view(torch.int16))
+    for mode in ("fp32", "remainder"):
+        q = [torch.nn.Parameter(p.detach().clone()) for p in p8]
+        other = mpfused.AdamW(q, lr=LR, master_weights=mode, backend="reference")
+        other.load_state_dict(copy.deepcopy(opt8.state_dict()))
+        switch(other, mode, q)
+        for a, b in zip(p8, q):
+            assert torch.equal(_value_any(b, other.state[b]),
+                               remainder8_join(a.detach(), opt8.state[a]["master_remainder8"]))
