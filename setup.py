@@ -97,8 +97,11 @@ def _extensions():
                + _sources("bindings/*_cpu.cpp") + _sources("cpu/*.cpp"))
     define = [("Py_LIMITED_API", "0x03090000"), ("MPFUSED_WITH_CUDA", "1" if use_cuda else "0"),
               ("MPFUSED_CUDA_ARCHS", f'"{archs}"')]
-    # no FMA contraction: the AVX-512/AVX2/baseline clones, CUDA and Triton round identically
-    cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-ffp-contract=off",
+    # no FMA contraction: the AVX-512/AVX2/baseline clones, CUDA and Triton round identically.
+    # -fno-trapping-math changes no result (no reassociation, no contraction, NaN rules kept); it
+    # only lets GCC if-convert and vectorize the kernels' selects: without it the AVX2 and baseline
+    # clones stay scalar (Adam fp32 2.6 -> 1.0 ns/elem on AVX2, 3.5 -> 1.25 baseline, 1 thread).
+    cxx = ["-O3", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off",
            _cxx_std(ce.include_paths()[0])]
     args = dict(include_dirs=[os.path.join(ROOT, "csrc", "include")], define_macros=define,
                 py_limited_api=True)

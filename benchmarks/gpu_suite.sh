@@ -227,14 +227,15 @@ for s in ${PLAN[$phase]}; do
       # the GPU's own tests first, in their own process: a sticky CUDA error there cannot fail the rest
       # shellcheck disable=SC2086
       run_pytest tests_cuda junit-cuda.xml ${GPU_SUITE_TESTS_CUDA:-tests/test_cuda_kernels.py tests/test_cuda_adam8bit.py \
-        tests/test_sgd_lion_kernels.py} ;;
+        tests/test_sgd_lion_kernels.py tests/test_cuda_onestate8bit.py} ;;
     tests_rest)
       # everything else (CUDA-parametrized tests included); the host emulation, the Triton AOT and
       # nvcc compile checks are CI's stand-ins for this machine, and the dry run of this plan is CI's
       # shellcheck disable=SC2086
       run_pytest tests_rest junit-rest.xml ${GPU_SUITE_TESTS_REST:-tests --ignore=tests/test_cuda_kernels.py \
         --ignore=tests/test_cuda_adam8bit.py --ignore=tests/test_sgd_lion_kernels.py --ignore=tests/test_cuda_emulation.py \
-        --ignore=tests/test_triton_compile.py --ignore=tests/test_cuda_compile.py \
+        --ignore=tests/test_cuda_onestate8bit.py --ignore=tests/test_cuda_emulation_onestate8bit.py \
+        --ignore=tests/test_triton_compile.py --ignore=tests/test_cuda_compile.py --ignore=tests/test_cuda_compile_onestate8bit.py \
         --ignore=tests/test_gpu_plan.py} ;;
     memcheck|racecheck|synccheck|memcheck_triton|initcheck)
       tool=${s%_triton}; be=native; ops=${GPU_SUITE_SAN_ONLY:-$ALL_OPS}

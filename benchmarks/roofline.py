@@ -1,8 +1,8 @@
 """Roofline of the native kernels: each kernel alone on one tensor (2^28 elements on a GPU) against a
 device copy that moves the same bytes (CUDA events, medians), and the 10,000-small-tensor step of
 each optimizer family (host us, GPU us, kernel launches per step and per kernel name by
-torch.profiler: the 8-bit Adam prepare launch shows as prepare_kernel) against torch's fused
-step where torch has one.
+torch.profiler: the 8-bit prepare launches (Adam, SGD, Lion) show as prepare_kernel) against
+torch's fused step where torch has one.
 
 Bytes model: every operand read once and every in-place operand written once (grads are read
 only), counted from the tensors' sizes: fp32 AdamW 28 B/param, bf16 + fp32 master 30, 8-bit fp32
@@ -11,7 +11,7 @@ only), counted from the tensors' sizes: fp32 AdamW 28 B/param, bf16 + fp32 maste
 master: SGD 14 / SGD momentum 22 / Lion 22 (a 2-byte param and a 4-byte master, each read and
 written, a 2-byte grad); 8-bit SGD / Lion fp32 14 (+ absmax).
 `fraction` = copy time / kernel time for the same bytes: 1.0 is the copy's bandwidth. A case
-whose op has no native kernel on the device (a CUDA sgd8bit_step_ not written yet) is listed as
+whose op has no native kernel on the device (an extension built without it) is listed as
 skipped.
 
     python -m benchmarks.roofline [--device cuda] [--numel N] [--out FILE.json]
@@ -138,13 +138,15 @@ SMALL = {
     "lion": {"mpfused": lambda ps: mpfused.Lion(ps, lr=1e-4)},
     # min_8bit_size=1: the small tensors get 8-bit state too (default: fp32 below 4096 elements)
     "adamw8bit": {"mpfused": lambda ps: mpfused.AdamW8bit(ps, lr=1e-3, min_8bit_size=1)},
+    "sgd8bit": {"mpfused": lambda ps: mpfused.SGD8bit(ps, lr=1e-3, momentum=0.9, min_8bit_size=1)},
+    "lion8bit": {"mpfused": lambda ps: mpfused.Lion8bit(ps, lr=1e-4, min_8bit_size=1)},
 }
 
 
 def small_step(count: int, numel: int, device: str, warmup: int, reps: int,
                families=tuple(SMALL)) -> list[dict]:
     """One step over `count` fp32 tensors of `numel` elements, per family: mpfused and torch
-    fused. Kernel launches per step by name: the 8-bit Adam prepare kernel is one of them."""
+    fused. Kernel launches per step by name: the 8-bit prepare kernels are among them."""
     from collections import Counter
 
     from torch.profiler import ProfilerActivity, profile

@@ -5,12 +5,13 @@ past an aligned start and a transposed one), the 8-bit steps (Adam, SGD, Lion) a
 block-size class (within a warp, one warp, several warps, a whole 4096 chunk), and per optimizer
 family two extra calls:
   * many tensors (MANY, 1-7 elements each; native only): more than one launch of the multi-tensor kernel and,
-    for 8-bit Adam, of its prepare kernel (3,584 tensors per prepare launch with 32 KB kernel
-    parameters, 448 with 4 KB), whose workspace the main kernel then reads per tensor;
+    for the 8-bit steps (Adam, SGD, Lion), of their prepare kernel (3,584 tensors per prepare
+    launch with 32 KB kernel parameters, 448 with 4 KB), whose workspace the main kernel then
+    reads per tensor;
   * a skipped step (found_inf > 0): the prepare writes nothing into the fresh workspace, so a main
     kernel that read it anyway would show under initcheck.
-An op with no kernel for a backend on the device (a native CUDA sgd8bit_step_ not written yet) is
-skipped and named on the last line.
+Every op has a native CUDA kernel; one with no kernel for a backend on the device (an extension
+built without it, Triton missing) is skipped and named on the last line.
 
 Run it with PYTORCH_NO_CUDA_MEMORY_CACHING=1: under the caching allocator an out-of-bounds access
 that lands in the same cached segment is invisible to memcheck. Progress goes to stdout per op

@@ -91,7 +91,7 @@ def archs_run_on(archs: str, capability: tuple[int, int]) -> bool:
 
 def cuda_kernels_run_here() -> bool:
     """The native CUDA kernels have code for the current GPU (else the first launch would fail
-    with "no kernel image is available": the registry serves Triton instead)."""
+    with "no kernel image is available": the router registers Triton instead)."""
     try:
         capability = torch.cuda.get_device_capability()
     except Exception:

@@ -255,7 +255,8 @@ def setup(model: nn.Module, optimizer="adamw", dtype="auto", lr=1e-3, weight_dec
       ``"adam4bit"``, ``"sgd"``,
       ``"lion"``, ``"sgd8bit"``, ``"lion8bit"`` (mpfused classes) or
       a class, built on ``model.parameters()`` with ``lr``, ``weight_decay``, ``master_weights``
-      (``"fp32"``, ``"remainder"`` (bf16 only) or ``"none"``) and ``optimizer_kwargs``. A class
+      (``"fp32"``, ``"remainder"`` or ``"remainder8"`` (bf16 only) or ``"none"``) and
+      ``optimizer_kwargs``. A class
       without ``master_weights`` (``torch.optim.AdamW``, ...) is built without it and needs
       ``dtype="fp32"`` (fp32 weights, no master); with 16-bit weights it is refused.
     * ``scaler``: ``mpfused.GradScaler(device.type)``, enabled for fp16 only (bf16 and fp32 need no
@@ -273,8 +274,9 @@ def setup(model: nn.Module, optimizer="adamw", dtype="auto", lr=1e-3, weight_dec
     takes_master = takes_master_weights(opt_class)
     if not takes_master:  # checked before the model is touched
         check_plain_optimizer(opt_class, dtype, master_weights)
-    if master_weights == "remainder" and dtype != torch.bfloat16:
-        raise ValueError(f"master_weights='remainder' needs bf16 weights, but the dtype is {dtype}"
+    if master_weights in ("remainder", "remainder8") and dtype != torch.bfloat16:
+        raise ValueError(f"master_weights={master_weights!r} needs bf16 weights, but the dtype is "
+                         f"{dtype}"
                          " (on this device 'auto' resolves to fp16: use master_weights='fp32')")
     if tf32:
         _enable_tf32()

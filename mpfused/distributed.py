@@ -27,8 +27,8 @@ What happens where
     a multiple of ``block_size`` the blocks coincide with those of the unsharded param and the
     update is the single-process one bit for bit; otherwise the last block of a shard is short.
 * **Checkpoints.** Use ``torch.distributed.checkpoint.state_dict.get_state_dict`` /
-  ``set_state_dict`` with ``dcp.save`` / ``dcp.load``: fp32 moments and masters are saved as
-  DTensors (re-shardable, e.g. 2 ranks -> 1), ``step`` as a float32 0-d tensor, and mpfused's load
+  ``set_state_dict`` with ``dcp.save`` / ``dcp.load``: fp32 moments and masters (int16 remainders,
+  int8 corrections: per-element, sharded as the param) are saved as DTensors (re-shardable, e.g. 2 ranks -> 1), ``step`` as a float32 0-d tensor, and mpfused's load
   hooks keep every floating state fp32 after the load (torch would cast it to the param dtype).
   ``AdamW8bit``: its live codes/absmax are per local shard, but ``state_dict()`` hands them in
   the unsharded layout (codes: uint8 DTensors with the param's placements; absmax: float32

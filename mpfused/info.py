@@ -1,5 +1,5 @@
 """``python -m mpfused.info``: versions, the native build, and which backend serves each op on
-each device (honestly: what would run now, after MPFUSED_BACKEND is applied)."""
+each device (honestly: what torch.ops.mpfused.<op> runs, as routed at import)."""
 from __future__ import annotations
 
 import os
@@ -11,7 +11,7 @@ import torch
 
 import mpfused
 from mpfused import _extension
-from mpfused.ops import OPS
+from mpfused.ops import OPS, router
 
 
 def source_commit() -> str:
@@ -54,17 +54,14 @@ def report() -> str:
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     if torch.cuda.is_available():
         lines.append(f"GPU: {torch.cuda.get_device_name()}")
-    lines.append(f"MPFUSED_BACKEND={os.environ.get('MPFUSED_BACKEND', '') or '(unset: auto)'}")
+    lines.append(f"MPFUSED_BACKEND at import: {router.REQUEST}")
     lines.append("")
     width = max(len(n) for n in OPS)
     lines.append(f"{'op':<{width}}  " + "  ".join(f"{d:<28}" for d in devices))
     for name, op in sorted(OPS.items()):
         cells = []
         for d in devices:
-            try:
-                chosen = op.resolve(d)
-            except RuntimeError:
-                chosen = "unavailable"
+            chosen = op.route(d)
             cells.append(f"{chosen:<10} (has {','.join(op.available(d))})".ljust(28))
         lines.append(f"{name:<{width}}  " + "  ".join(cells))
     return "\n".join(lines)

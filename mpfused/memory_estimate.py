@@ -16,9 +16,12 @@ RECIPES = {
     "native": ("fp32 weights + autocast, fp32 moments (torch.amp)", False, 0, False),
     "master": ("16-bit weights + fp32 master + fp32 moments", True, 4, False),
     "remainder": ("bf16 weights + int16 remainder + fp32 moments", True, 2, False),
+    "remainder8": ("bf16 weights + int8 correction (24-bit master) + fp32 moments", True, 1, False),
     "no-master": ("16-bit weights (stochastic rounding) + fp32 moments", True, 0, False),
     "8bit": ("16-bit weights + fp32 master + 8-bit moments", True, 4, True),
     "8bit-remainder": ("bf16 weights + int16 remainder + 8-bit moments", True, 2, True),
+    "8bit-remainder8": ("bf16 weights + int8 correction (24-bit master) + 8-bit moments", True, 1,
+                        True),
     "8bit-no-master": ("16-bit weights (stochastic rounding) + 8-bit moments", True, 0, True),
 }
 
@@ -78,17 +81,19 @@ def estimate_memory(model_or_param_count, recipe: str = "master", *, keep_fp32=N
                     state_bits: int = 8) -> MemoryEstimate:
     """Bytes of weights, grads, master weights and optimizer state for a recipe (``RECIPES``):
 
-    =================  =======  =====  ======  =====  =====
-    recipe             weights  grads  master  state  total
-    =================  =======  =====  ======  =====  =====
-    ``native``         4        4      0       8      16
-    ``master``         2        2      4       8      16
-    ``remainder``      2        2      2       8      14
-    ``no-master``      2        2      0       8      12
-    ``8bit``           2        2      4       2.03   ~10
-    ``8bit-remainder`` 2        2      2       2.03   ~8
-    ``8bit-no-master`` 2        2      0       2.03   ~6
-    =================  =======  =====  ======  =====  =====
+    ===================  =======  =====  ======  =====  ====================
+    recipe               weights  grads  master  state  total
+    ===================  =======  =====  ======  =====  ====================
+    ``native``           4        4      0       8      16
+    ``master``           2        2      4       8      16
+    ``remainder``        2        2      2       8      14
+    ``remainder8``       2        2      1       8      13
+    ``no-master``        2        2      0       8      12
+    ``8bit``             2        2      4       2.03   ~10
+    ``8bit-remainder``   2        2      2       2.03   ~8
+    ``8bit-remainder8``  2        2      1       2.03   ~7 (~5 with release)
+    ``8bit-no-master``   2        2      0       2.03   ~6
+    ===================  =======  =====  ======  =====  ====================
 
     For a parameter count these are the per-parameter figures. For a model every parameter is
     counted once (tied weights too): fp32 islands (``keep_fp32``, as ``cast_model``; for a model

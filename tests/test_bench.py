@@ -5,6 +5,7 @@ on first use (20-30 s on a CPU), which would blow this test's budget; `--recipes
 import json
 import math
 
+import pytest
 import torch
 
 from mpfused.bench import main
@@ -87,3 +88,22 @@ def test_bench_release_tiny_run(tmp_path, monkeypatch):
         assert rows[release]["same_params"] is True, release
         assert rows[release]["ratio_median"] > 0 and len(rows[release]["ratio_per_block"]) == 2
     assert all(r["median_ms"] > 0 and r["rounds"] == 4 for r in rows.values())
+
+
+@pytest.mark.parametrize("family,classes", [
+    ("sgd", {"mpfused": "mpfused.SGD(", "mpfused-8bit": "mpfused.SGD8bit("}),
+    ("lion", {"native": "TorchLion", "mpfused-8bit": "mpfused.Lion8bit("})])
+def test_bench_optimizer_choice_tiny_run(tmp_path, family, classes):
+    """`python -m mpfused.bench --optimizer sgd|lion` (issue 22): the same table and plot, each
+    recipe built with the family's class (its result names it) and training (two recipes per
+    family keep this short; test_bench_tiny_run_writes_every_recipe runs them all)."""
+    main(["--device", "cpu", "--size", "tiny", "--steps", "3", "--recipes", ",".join(classes),
+          "--optimizer", family, "--out", str(tmp_path), "--seed", "1"])
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (tmp_path / "bench.png").stat().st_size > 0
+    assert list(results["recipes"]) == list(classes)
+    for name, cls in classes.items():
+        r = results["recipes"][name]
+        assert r["status"] == "ok", (name, r.get("reason"))
+        assert cls in r["optimizer"], (name, r["optimizer"])
+        assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"]), name

@@ -39,7 +39,7 @@ class _NoPlainCall:
     """The op, with its plain (all lists from Python) call refused: the bound path must serve."""
 
     def __init__(self, op):
-        self.name, self.chosen = op.name, op.chosen
+        self.name, self.native_available = op.name, op.native_available
 
     def __call__(self, *args, **kwargs):
         raise AssertionError("BoundOp made the plain call")

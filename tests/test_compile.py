@@ -1,8 +1,15 @@
 """torch.compile over mpfused's scaler and optimizers (issue 20, defect 4): compiled equals eager
 bit for bit. ``scaler.step`` / ``update`` / ``unscale_`` run eagerly behind graph breaks, as torch's
-GradScaler's do; ``torch.compile(opt.step, fullgraph=True)`` traces the step with the native kernel
-as one op in the graph (fake kernels), without a graph break and with two graphs in all (before and
-after the state exists)."""
+GradScaler's do; ``torch.compile(opt.step, fullgraph=True)`` traces the step with its op as one
+opaque node in the graph (fake kernels), whichever kernel the router registered for it (native,
+Triton, reference), without a graph break and with two graphs in all (before and after the state
+exists)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -115,8 +122,6 @@ def _optimizer_loop(compiled, cls, kwargs, steps=4):
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
-@pytest.mark.skipif(not OPS["adam_step_"].native_available("cpu"),
-                    reason="fullgraph needs the native kernel (Triton/reference graph-break)")
 @pytest.mark.parametrize("case", list(FULLGRAPH_CASES))
 def test_fullgraph_optimizer_step_equals_eager(case):
     """torch.compile(opt.step, fullgraph=True): no graph break, equal to eager bit for bit
@@ -145,3 +150,36 @@ def test_compiled_step_then_eager_step_replans():
             step()
         runs.append([p.detach().clone() for p in model.parameters()] + _state(opt))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
+FULLGRAPH_ROUTED = r"""
+import json, torch
+from torch._dynamo.utils import counters
+from mpfused.ops import OPS
+from tests.test_compile import FULLGRAPH_CASES, _optimizer_loop
+cls, kwargs = FULLGRAPH_CASES[__CASE__]
+eager, compiled = _optimizer_loop(False, cls, kwargs), _optimizer_loop(True, cls, kwargs)
+print(json.dumps({"route": OPS[__OP__].route("cpu"),
+                  "equal": all(torch.equal(a, b) for a, b in zip(eager, compiled)),
+                  "graphs": counters["stats"]["unique_graphs"]}))
+"""
+ROUTED = {"reference": ({"MPFUSED_BACKEND": "reference"}, "8bit", "adam8bit_step_"),
+          "triton": ({"MPFUSED_BACKEND": "triton", "TRITON_INTERPRET": "1"},
+                     "bf16-fp32-master-clipped", "adam_step_")}
+
+
+def test_fullgraph_with_triton_or_reference_registered():
+    """With Triton or the reference registered as the CPU kernel (fresh processes, in parallel),
+    ``fullgraph=True`` still traces (no graph break: the op is opaque whatever its kernel) and the
+    compiled steps equal the eager ones bit for bit."""
+    procs = {k: subprocess.Popen([sys.executable, "-c", FULLGRAPH_ROUTED.replace(
+                                     "__CASE__", repr(case)).replace("__OP__", repr(op))],
+                                 cwd=Path(__file__).resolve().parents[1], text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 env={**os.environ, **env})
+             for k, (env, case, op) in ROUTED.items()}
+    for backend, proc in procs.items():
+        out, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err
+        result = json.loads(out.strip().splitlines()[-1])
+        assert result == {"route": backend, "equal": True, "graphs": 2}, (backend, result)

@@ -348,7 +348,7 @@ def test_optimizer_picks_native_cuda_and_needs_no_sync():
     model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.GELU(), torch.nn.Linear(96, 8))
     model = model.to(DEV)
     opt = mpfused.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=0)
-    assert OPS[OP].resolve("cuda") == "native"
+    assert OPS[OP].route("cuda") == "native"
     for it in range(3):
         loss = model(torch.randn(32, 64, device=DEV)).square().mean()
         loss.backward()

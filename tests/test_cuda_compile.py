@@ -31,7 +31,8 @@ from tests.conftest import STRICT, deadline_s, skip_or_fail  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 NVCC = shutil.which("nvcc")
-CU_FILES = sorted(glob.glob(str(ROOT / "csrc" / "cuda" / "*.cu")))
+CU_FILES = sorted(f for f in glob.glob(str(ROOT / "csrc" / "cuda" / "*.cu"))  # and per entry:
+                  if Path(f).name not in ("sgd8bit_cuda.cu", "lion8bit_cuda.cu"))  # *_onestate8bit.py
 ARCHS = ["sm_80", "sm_90"]
 BINDINGS = sorted(glob.glob(str(ROOT / "csrc" / "bindings" / "*_cuda.cpp")))
 DEADLINE_S = deadline_s(110.0)

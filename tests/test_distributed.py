@@ -368,14 +368,15 @@ def _worker_main(launch, rank, world, out_dir):
 
 
 # ---- launching --------------------------------------------------------------------------------
-def _launch(launch: str, out_dir: str):
+def _launch(launch: str, out_dir: str, module: str = "tests.test_distributed"):
+    """Run `module`'s worker main in WORLD processes; every rank's saved results."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_gloo_available()):
         pytest.skip("torch.distributed with gloo is not available")
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "tests.test_distributed", launch, "{rank}", str(WORLD), out_dir]
+    cmd = [sys.executable, "-m", module, launch, "{rank}", str(WORLD), out_dir]
     try:
         procs = [subprocess.Popen([c.format(rank=r) for c in cmd], cwd=REPO, env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

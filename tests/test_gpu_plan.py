@@ -246,7 +246,8 @@ def test_dry_run(tmp_path):
         assert ("skipped" in kern["sgd8bit_fp32"]) != OPS["sgd8bit_step_"].native_available("cpu")
         assert {(s["case"].split("_")[0], s["who"]) for s in roof["small_step"]} == {
             ("adamw", "mpfused"), ("adamw", "torch-fused"), ("sgd", "mpfused"),
-            ("sgd", "torch-fused"), ("lion", "mpfused"), ("adamw8bit", "mpfused")}
+            ("sgd", "torch-fused"), ("lion", "mpfused"), ("adamw8bit", "mpfused"),
+            ("sgd8bit", "mpfused"), ("lion8bit", "mpfused")}
         assert roof["suite_provenance"].startswith("commit 0123456789abcdef0123")
     # nothing was written outside OUT but the copy's own results folder
     assert not (work / "gpu_out").exists()

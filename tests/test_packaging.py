@@ -10,7 +10,6 @@ import torch
 
 import mpfused
 from mpfused.ops import OPS, amp as amp_ops
-from mpfused.ops.registry import requested_backend
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +24,7 @@ def test_import_without_extension_warns_and_falls_back():
                "from mpfused.ops import OPS\n"
                "g=[torch.tensor([4., float('inf')])]; f=torch.zeros(())\n"
                "OPS['unscale_grads_'](g, f, torch.tensor(.5))\n"
-               "print(OPS['unscale_grads_'].resolve('cpu'), f.item(), g[0][0].item())",
+               "print(OPS['unscale_grads_'].route('cpu'), f.item(), g[0][0].item())",
                MPFUSED_NO_EXT="1")
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["reference", "1.0", "2.0"]
@@ -54,18 +53,16 @@ def test_extension_built_for_another_torch_is_not_loaded(monkeypatch):
 
 
 def test_backend_selection(monkeypatch):
+    """An explicit backend= names an implementation (checked by name), else the dispatcher's."""
     op = OPS["unscale_grads_"]
-    assert op.resolve("cpu", "reference") == "reference"
-    monkeypatch.setenv("MPFUSED_BACKEND", "reference")
-    assert op.resolve("cpu") == "reference"
-    monkeypatch.delenv("MPFUSED_BACKEND")
+    assert op.impl("reference", "cpu") is op.reference
     with pytest.raises(ValueError, match="backend must be one of"):
-        requested_backend("cuda-fast")
+        op([torch.ones(2)], torch.zeros(()), torch.ones(()), backend="cuda-fast")
     with pytest.raises(RuntimeError, match="not available for op unscale_grads_ on cuda"
                        if not torch.cuda.is_available() else "."):
         if torch.cuda.is_available():
             raise RuntimeError(".")
-        op.resolve("cuda", "native")
+        op.impl("native", "cuda")
 
 
 @pytest.mark.parametrize("archs,capability,runs", [
@@ -81,26 +78,15 @@ def test_native_cuda_kernels_need_code_for_the_gpu(archs, capability, runs):
     assert archs_run_on(archs, capability) is runs
 
 
-def test_a_gpu_without_native_code_gets_triton(monkeypatch):
-    """With a registered CUDA kernel but no code for the GPU, auto picks Triton, not a launch that
-    fails with "no kernel image is available"."""
-    from mpfused import _extension
-    from mpfused.ops import registry
-    op = OPS["unscale_grads_"]
-    real = torch._C._dispatch_has_kernel_for_dispatch_key
-    monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key",
-                        lambda name, key: key == "CUDA" or real(name, key))
-    monkeypatch.setattr(registry, "triton_usable", lambda device_type: True)
-    monkeypatch.setattr(_extension, "build_info", lambda: {"cuda_archs": "8.0;9.0+PTX"})
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    assert op.available("cuda") == ["triton", "reference"] and op.resolve("cuda") == "triton"
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert op.available("cuda")[0] == "native" and op.resolve("cuda") == "native"
-
-
 def test_auto_prefers_native_on_cpu_when_built():
-    if "native" in OPS["unscale_grads_"].available("cpu"):
-        assert OPS["unscale_grads_"].resolve("cpu") == "native"
+    from mpfused.ops import router
+    if _extension_loaded() and router.REQUEST == "auto":
+        assert OPS["unscale_grads_"].route("cpu") == "native"
+
+
+def _extension_loaded() -> bool:
+    from mpfused import _extension
+    return _extension.load() is not None
 
 
 def test_info_reports():

@@ -397,9 +397,11 @@ MEASURED_RECIPES = {
     "native": None,
     "master": dict(master_weights="fp32"),
     "remainder": dict(master_weights="remainder"),
+    "remainder8": dict(master_weights="remainder8"),
     "no-master": dict(master_weights="none"),
     "8bit": dict(optimizer="adamw8bit", master_weights="fp32"),
     "8bit-remainder": dict(optimizer="adamw8bit", master_weights="remainder"),
+    "8bit-remainder8": dict(optimizer="adamw8bit", master_weights="remainder8"),
     "8bit-no-master": dict(optimizer="adamw8bit", master_weights="none"),
 }
 

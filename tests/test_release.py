@@ -28,6 +28,9 @@ CASES = {
                                {"momentum": 0.9, "min_8bit_size": 512,
                                 "master_weights": "remainder"}),
     "Lion8bit-bf16-master": (mpfused.Lion8bit, torch.bfloat16, {"min_8bit_size": 512}),
+    "AdamW8bit-bf16-remainder8": (mpfused.AdamW8bit, torch.bfloat16,
+                                  {"min_8bit_size": 512, "master_weights": "remainder8"}),
+    "Lion-bf16-remainder8": (mpfused.Lion, torch.bfloat16, {"master_weights": "remainder8"}),
 }
 
 

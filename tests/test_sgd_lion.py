@@ -147,11 +147,13 @@ OPT_IDS = ["sgd-momentum", "sgd-plain", "lion"]
 
 @pytest.mark.parametrize("cls,kw", OPTIMIZERS, ids=OPT_IDS)
 @pytest.mark.parametrize("dtype,mode", [(torch.bfloat16, "fp32"), (torch.bfloat16, "remainder"),
-                                        (torch.float16, "fp32"), (torch.bfloat16, "none")])
+                                        (torch.float16, "fp32"), (torch.bfloat16, "none"),
+                                        (torch.float16, "none")])
 def test_16bit_params_follow_the_fp32_run(cls, kw, dtype, mode):
     """With a master (fp32 or the exact int16 remainder) a 16-bit run is the fp32 run on the
     master values (same fp32 math; only the grads are 16-bit), the param its rounding; without
-    one (bf16: stochastic rounding) the params stay within a few bf16 ulps of it."""
+    one (bf16: stochastic rounding; fp16: round to nearest) the params stay within a few 16-bit
+    ulps of it."""
     ref = _params(dtype)  # start from the same 16-bit values
     ref32 = [torch.nn.Parameter(p.detach().float()) for p in ref]
     ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import mpfused
+from mpfused.ops import OPS
 from tests.tolerances import TRAJ_TOL
 
 common_optimizers = pytest.importorskip("torch.testing._internal.common_optimizers")
@@ -87,3 +88,34 @@ def test_torch_config_trajectory(name, kwargs):
     back.step()
     for a, b in zip(ref, back.param_groups[0]["params"]):
         torch.testing.assert_close(b, a, **TRAJ_TOL)
+
+
+SGD_CONFIGS = [c for c in CONFIGS if c.values[0] == "SGD"]
+SGD_BACKENDS = [b for b in OPS["sgd_step_"].available("cpu") if b != "native"]
+
+
+@pytest.mark.parametrize("backend", SGD_BACKENDS)
+def test_torch_sgd_configs_on_every_backend(backend):
+    """torch's SGD grid (issue 22: "every backend") on the other backends of sgd_step_ (the test
+    above runs the default, native one): the same trajectories and momentum buffers."""
+    assert len(SGD_CONFIGS) >= 9
+    for config in SGD_CONFIGS:
+        kwargs = config.values[1]
+        torch.manual_seed(0)
+        ref = [torch.nn.Parameter(torch.randn(s)) for s in ((13, 7), (31,), (2, 3, 5))]
+        ours = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+        o_ref = torch.optim.SGD(ref, foreach=False, **{k: _clone(v) for k, v in kwargs.items()
+                                                       if k != "capturable"})
+        o_ours = mpfused.SGD(ours, backend=backend, **{k: _clone(v) for k, v in kwargs.items()})
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            for a, b in zip(ref, ours):
+                a.grad = torch.randn(a.shape, generator=gen)
+                b.grad = a.grad.clone()
+            o_ref.step()
+            o_ours.step()
+        for a, b in zip(ref, ours):
+            torch.testing.assert_close(b, a, **TRAJ_TOL, msg=lambda m: f"{config.id}: {m}")
+            if "momentum_buffer" in o_ref.state[a]:
+                torch.testing.assert_close(o_ours.state[b]["momentum_buffer"],
+                                           o_ref.state[a]["momentum_buffer"], **TRAJ_TOL)

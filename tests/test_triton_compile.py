@@ -44,6 +44,8 @@ def compiled():
     """{arch: the driver's report}, or the reason it failed."""
     out = tempfile.mkdtemp(prefix="mpfused-aot-")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # the checkout's mpfused, also where it is not pip-installed (the script runs as a file)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
 
     def run(arch):
         path = os.path.join(out, f"{arch}.json")
@@ -82,8 +84,8 @@ def _values(kernels, key):
 
 # (param dtype code, kernel master mode) pairs the optimizers launch: fp32 params are their own
 # master; fp16 params have an fp32 master or none; bf16 params an fp32 master, the remainder
-# (2) or none, which for bf16 is stochastic rounding (3)
-MODE_PAIRS = {(0, 0), (1, 0), (1, 1), (2, 1), (2, 2), (2, 3)}
+# (2), the one-byte correction (4) or none, which for bf16 is stochastic rounding (3)
+MODE_PAIRS = {(0, 0), (1, 0), (1, 1), (2, 1), (2, 2), (2, 3), (2, 4)}
 
 
 @pytest.mark.parametrize("arch", ARCHS)

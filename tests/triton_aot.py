@@ -1,6 +1,8 @@
-"""Compile every Triton kernel specialization that mpfused's optimizers and scaler launch (and the
-8-bit SGD / Lion ops, which no optimizer class launches yet), ahead of time for a CUDA target, on
-a machine without a GPU (run by tests/test_triton_compile.py).
+"""Compile every Triton kernel specialization that mpfused's optimizers and scaler launch, ahead of
+time for a CUDA target, on a machine without a GPU (run by tests/test_triton_compile.py). The
+optimizers are driven through their classes (AdamW, Adam, AdamW8bit, Adam8bit, SGD, Lion, SGD8bit,
+Lion8bit), so what compiles is what they launch; the scaler's ops and the > 2^31-element sizes
+are called directly.
 
 The rest of the suite runs the Triton kernels under TRITON_INTERPRET=1, which never lowers them:
 a kernel the interpreter accepts can still fail to compile, or compile to code that differs from
@@ -137,8 +139,8 @@ def _drive_optimizer(decoupled_cls, coupled_cls, flags, **fixed):
             kw["amsgrad"] = True
         _step(cls(_params(dtypes), **kw), "scaler" in on)
 
-    for master in ("fp32", "none", "remainder"):
-        dtypes = [torch.bfloat16] if master == "remainder" else ALL_DTYPES  # bf16 only has one
+    for master in ("fp32", "none", "remainder", "remainder8"):
+        dtypes = [torch.bfloat16] if master.startswith("remainder") else ALL_DTYPES  # bf16 only
         step(decoupled_cls, dtypes, master, ())
         step(decoupled_cls, dtypes, master, flags)
         step(coupled_cls, dtypes, master, flags)
@@ -174,8 +176,8 @@ def _drive_class(cls, flags, options=lambda on: {}):
                   backend="triton", **options(on))
         _step(opt, "scaler" in on)
 
-    for master in ("fp32", "none", "remainder"):
-        dtypes = [torch.bfloat16] if master == "remainder" else ALL_DTYPES  # bf16 only has one
+    for master in ("fp32", "none", "remainder", "remainder8"):
+        dtypes = [torch.bfloat16] if master.startswith("remainder") else ALL_DTYPES  # bf16 only
         step(dtypes, master, ())
         step(dtypes, master, flags)
     for flag in flags:
@@ -194,50 +196,23 @@ def drive_lion():
     _drive_class(mpfused.Lion, ("maximize", "lr_tensor", "scaler", "clip"))
 
 
-def _drive_8bit_op(fn, flags, options):
-    """A one-state 8-bit op (no optimizer class launches it yet), called directly: every (param
-    dtype, master mode) kernel with all options off and all on, each option alone (fp32 params),
-    every block size, and the stochastic-rounding seed as i64 and u64. options(on): the op's own
-    kwargs for the options in `on`."""
-    from mpfused import quant_maps
-
-    def step(dtypes, master, on, block=256, seed=0):
-        params = [torch.randn(SIZE).to(dt) for dt in dtypes]
-        masters = ([p.float() if master == 1 else torch.zeros(SIZE, dtype=torch.int16)
-                    for p in params] if master in (1, 2) else [])
-        fn(params, [torch.randn_like(p) for p in params],
-           [torch.zeros(SIZE, dtype=torch.uint8) for _ in params],
-           [torch.ones(-(-SIZE // block)) for _ in params], masters,
-           [torch.zeros(1) for _ in params], quant_maps.signed_map(), block, lr=1e-3,
-           lr_tensor=torch.tensor(1e-3) if "lr_tensor" in on else None, weight_decay=0.1,
-           maximize="maximize" in on, master_mode=master,
-           grad_scale=torch.ones(1) if "scaler" in on else None,
-           found_inf=torch.zeros(1) if "scaler" in on else None,
-           norm_sq=torch.ones(1) if "clip" in on else None,
-           max_grad_norm=1.0 if "clip" in on else 0.0, seed=seed, **options(on))
-
-    for master in (1, 3, 2):  # an fp32 master, none (stochastic rounding for bf16), remainder
-        dtypes = [torch.bfloat16] if master == 2 else ALL_DTYPES  # bf16 only has one
-        step(dtypes, master, ())
-        step(dtypes, master, flags)
-    for flag in flags:
-        step([torch.float32], 1, (flag,))
-    for block in (64, 128, 512, 1024, 2048, 4096):
-        step([torch.float32], 1, (), block)
-    for seed in (2**40, 2**64 - 5):
-        step([torch.bfloat16], 3, (), seed=seed)
-
-
 def drive_sgd8bit():
-    from mpfused.triton_kernels.sgd8bit import sgd8bit_step_
-    _drive_8bit_op(sgd8bit_step_, ("nesterov", "maximize", "lr_tensor", "scaler", "clip"),
-                   lambda on: dict(momentum=0.9, dampening=0.0, nesterov="nesterov" in on))
+    """Through mpfused.SGD8bit as the optimizer launches it (min_8bit_size=1: every param has
+    8-bit state), every block size included."""
+    _drive_class(mpfused.SGD8bit, ("nesterov", "maximize", "lr_tensor", "scaler", "clip"),
+                 lambda on: dict(momentum=0.9, nesterov="nesterov" in on, min_8bit_size=1))
+    for block_size in (64, 128, 512, 1024, 2048, 4096):
+        _step(mpfused.SGD8bit(_params([torch.float32]), momentum=0.9, block_size=block_size,
+                              min_8bit_size=1, backend="triton"), False)
 
 
 def drive_lion8bit():
-    from mpfused.triton_kernels.lion8bit import lion8bit_step_
-    _drive_8bit_op(lion8bit_step_, ("maximize", "lr_tensor", "scaler", "clip"),
-                   lambda on: dict(beta1=0.9, beta2=0.99))
+    """Through mpfused.Lion8bit, as drive_sgd8bit."""
+    _drive_class(mpfused.Lion8bit, ("maximize", "lr_tensor", "scaler", "clip"),
+                 lambda on: dict(min_8bit_size=1))
+    for block_size in (64, 128, 512, 1024, 2048, 4096):
+        _step(mpfused.Lion8bit(_params([torch.float32]), block_size=block_size, min_8bit_size=1,
+                               backend="triton"), False)
 
 
 def drive_scaler():

@@ -19,17 +19,36 @@ from mpfused.triton_kernels._bits import DTYPE_CODE, num_warps_for
 
 BLOCK = 2048
 M64 = (1 << 64) - 1
-NO_MASTER, FP32_MASTER, REMAINDER, STOCHASTIC = 0, 1, 2, 3
+NO_MASTER, FP32_MASTER, REMAINDER, STOCHASTIC, REMAINDER8 = 0, 1, 2, 3, 4
+# The masters operand of the modes that keep one (adam_math.h's MasterStore).
+MASTER_DTYPE = {FP32_MASTER: torch.float32, REMAINDER: torch.int16, REMAINDER8: torch.int8}
 
 
 def kernel_mode(dtype: torch.dtype, master_mode: int) -> int:
-    # As the CPU engine's pick_elementwise_chunk: fp32 params are their own master; fp16 params
+    # As adam_math.h's effective_master_mode: fp32 params are their own master; fp16 params
     # have either an fp32 master or none (round to nearest); bf16 params take every mode.
     if dtype == torch.float32:
         return NO_MASTER
     if dtype == torch.float16:
         return FP32_MASTER if master_mode == FP32_MASTER else NO_MASTER
-    return master_mode if master_mode in (FP32_MASTER, REMAINDER, STOCHASTIC) else NO_MASTER
+    return master_mode if master_mode in (FP32_MASTER, REMAINDER, STOCHASTIC,
+                                          REMAINDER8) else NO_MASTER
+
+
+def check_master_mode(params, masters, master_mode) -> None:
+    """The bindings' check_masters: a known mode, remainder8 only for bf16 (or fp32) params, and
+    masters of the mode's dtype (MASTER_DTYPE)."""
+    if int(master_mode) not in range(5):
+        raise RuntimeError("mpfused: master_mode must be 0 (none), 1 (fp32), 2 (remainder), "
+                           f"3 (stochastic) or 4 (remainder8), got {master_mode}")
+    want = MASTER_DTYPE.get(int(master_mode))
+    for i, p in enumerate(params):
+        if int(master_mode) == REMAINDER8 and p.dtype == torch.float16:
+            raise RuntimeError(f"mpfused: master_mode 4 (remainder8) needs bfloat16 (or float32) "
+                               f"params: params[{i}] is float16, which is not the top half of an "
+                               "fp32 word")
+        if want is not None and i < len(masters) and masters[i].dtype != want:
+            raise RuntimeError(f"mpfused: masters[{i}] must be {want}, got {masters[i].dtype}")
 
 
 def check_operands(op, params, grads, states, masters, steps, master_mode, lr_tensor, grad_scale,
@@ -46,7 +65,7 @@ def check_operands(op, params, grads, states, masters, steps, master_mode, lr_te
         if t is not None and (t.device != dev or t.numel() != 1):
             raise RuntimeError(f"mpfused: {name} must be a 1-element tensor on {dev} (the "
                                f"params' device), got {tuple(t.shape)} on {t.device}")
-    want_master = {FP32_MASTER: torch.float32, REMAINDER: torch.int16}.get(int(master_mode))
+    check_master_mode(params, masters, master_mode)
     for i, p in enumerate(params):
         if p.dtype not in DTYPE_CODE:
             raise RuntimeError(f"mpfused: params[{i}] must be float32, float16 or bfloat16, got {p.dtype}")
@@ -55,11 +74,9 @@ def check_operands(op, params, grads, states, masters, steps, master_mode, lr_te
                                f"{grads[i].dtype}")
         ops = [("grads", grads[i])] + [(name, lst[i]) for name, lst in states]
         mode = kernel_mode(p.dtype, int(master_mode))
-        if mode in (FP32_MASTER, REMAINDER):
+        if mode in MASTER_DTYPE:
             if len(masters) != n:
                 raise RuntimeError(f"mpfused: {op}: one master per param is required")
-            if masters[i].dtype != want_master:
-                raise RuntimeError(f"mpfused: masters[{i}] must be {want_master}, got {masters[i].dtype}")
             ops.append(("masters", masters[i]))
         for name, t in [("params", p)] + ops:
             if t.layout != torch.strided:
@@ -117,7 +134,7 @@ def for_each_tensor(params, grads, states, masters, master_mode, launch):
         if p.numel() == 0:
             continue
         mode = kernel_mode(p.dtype, int(master_mode))
-        master = masters[i] if mode in (FP32_MASTER, REMAINDER) else None
+        master = masters[i] if mode in MASTER_DTYPE else None
         tensors = [p, grads[i]] + [s[i] if s is not None else None for s in states] + [master]
         mutated = [True, False] + [True] * (len(states) + 1)
         ops, back = stage(tensors, mutated, logical_order=mode == STOCHASTIC)

@@ -1,6 +1,6 @@
 """The fp32 value of a param and its store back, per master mode (csrc/include/mpfused/
-adam_math.h::load_weight / store_weight): an fp32 master, the bf16 remainder, stochastic rounding
-or none. Shared by every Triton optimizer kernel, so all of them keep a param the same way."""
+adam_math.h::load_weight / store_weight): an fp32 master, the bf16 remainder (int16), the
+one-byte correction (int8, a 24-bit master), stochastic rounding or none. Shared by every Triton optimizer kernel, so all of them keep a param the same way."""
 import triton
 import triton.language as tl
 
@@ -18,6 +18,12 @@ def load_weight(p_ptr, master_ptr, offs, mask, DT: tl.constexpr, MODE: tl.conste
         rem = tl.load(master_ptr + offs, mask=mask, other=0).to(tl.int32)
         hi = tl.where(rem < 0, (pb - 1) & 0xFFFF, pb)
         w = ((hi << 16) | (rem & 0xFFFF)).to(tl.float32, bitcast=True)
+    elif MODE == 4:
+        # remainder8_join: hi16 = p_bits - (rem8 < 0), bits 8..15 = rem8, bits 0..7 zero
+        pb = tl.load(p_ptr + offs, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        rem = tl.load(master_ptr + offs, mask=mask, other=0).to(tl.int32)
+        hi = tl.where(rem < 0, (pb - 1) & 0xFFFF, pb)
+        w = ((hi << 16) | ((rem & 0xFF) << 8)).to(tl.float32, bitcast=True)
     else:
         w = load_f32(p_ptr, offs, mask, DT)
     return w
@@ -41,6 +47,16 @@ def store_weight(w, p_ptr, master_ptr, offs, mask, seed, ti, stream, DT: tl.cons
         phi = ((u >> 16) + (lo >> 15)) & 0xFFFF
         tl.store(p_ptr + offs, phi.to(tl.int32).to(tl.int16), mask=mask)
         tl.store(master_ptr + offs, lo.to(tl.int32).to(tl.int16), mask=mask)
+    elif MODE == 4:
+        # remainder8_split: round to 24 bits (nearest, ties to even; NaN -> 0x7FC00000), bits
+        # 8..15 -> the int8 correction, hi16 rounded up when bit 15 is set
+        u = w.to(tl.uint32, bitcast=True)
+        r = (u + 0x7F + ((u >> 8) & 1)) & 0xFFFFFF00
+        u = tl.where((u & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, r)
+        lo = (u >> 8) & 0xFF
+        phi = ((u >> 16) + (lo >> 7)) & 0xFFFF
+        tl.store(p_ptr + offs, phi.to(tl.int32).to(tl.int16), mask=mask)
+        tl.store(master_ptr + offs, lo.to(tl.int32).to(tl.int8), mask=mask)
     elif MODE == 3:
         # bf16_bits_stochastic(w, random16(step_seed(seed, t), stream, index))
         sseed = seed.to(tl.uint64) ^ (ti.to(tl.uint64) * 0xD1B54A32D192ED03)

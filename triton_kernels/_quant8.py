@@ -13,7 +13,8 @@ import triton.language as tl
 from mpfused.quant_maps import thresholds, zero_code as map_zero_code
 from mpfused.reference.adam import sr_streams
 from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, f64_bits, i64_bits
-from mpfused.triton_kernels._elementwise import (M64, advance_steps, kernel_mode, launch_options,
+from mpfused.triton_kernels._elementwise import (M64, MASTER_DTYPE, advance_steps,
+                                                 check_master_mode, kernel_mode, launch_options,
                                                  scalar_operands)
 
 MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC = 0, 1, 2, 3
@@ -112,7 +113,7 @@ def for_each_quantized(params, grads, masters, master_mode, launch):
         if p.numel() == 0:
             continue
         mode = kernel_mode(p.dtype, int(master_mode))
-        w = masters[i] if mode in (MASTER_FP32, MASTER_REMAINDER) else None
+        w = masters[i] if mode in MASTER_DTYPE else None
         # block layout = logical order: every operand contiguous (8-bit state always is)
         ops = [t if t is None or t.is_contiguous() else t.contiguous() for t in (p, grads[i], w)]
         pk, gk, wk = ops
@@ -133,7 +134,8 @@ def check_one_state(op, params, grads, state_name, codes, absmaxs, masters, step
         if len(lst) != n:
             raise RuntimeError(f"mpfused: {op}: {name} has {len(lst)} tensors, params {n}")
     check_block_size(block_size)
-    want_master = {MASTER_FP32: torch.float32, MASTER_REMAINDER: torch.int16}.get(int(master_mode))
+    check_master_mode(params, masters, master_mode)
+    want_master = MASTER_DTYPE.get(int(master_mode))
     for i, p in enumerate(params):
         if p.dtype not in DTYPE_CODE:
             raise RuntimeError(f"mpfused: params[{i}] must be float32, float16 or bfloat16, got "
@@ -151,7 +153,7 @@ def check_one_state(op, params, grads, state_name, codes, absmaxs, masters, step
             raise RuntimeError(f"mpfused: absmaxs[{i}] must be contiguous float32 with "
                                f"ceil(numel / block_size) = {blocks} entries, got {a.dtype} of "
                                f"{a.numel()}")
-        if p.numel() and kernel_mode(p.dtype, int(master_mode)) in (MASTER_FP32, MASTER_REMAINDER):
+        if p.numel() and kernel_mode(p.dtype, int(master_mode)) in MASTER_DTYPE:
             if len(masters) != n:
                 raise RuntimeError(f"mpfused: {op}: master_mode {master_mode} needs one master "
                                    f"per param")

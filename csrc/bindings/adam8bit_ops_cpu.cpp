@@ -37,7 +37,7 @@ void adam_quant_step_cpu(at::TensorList params, at::TensorList grads, at::Tensor
   // Skip on found_inf > 0: nothing is touched, step counters included. CPU tensors: no sync.
   const std::optional<float> grad_mult = cpu_grad_mult(grad_scale, found_inf, norm_sq, max_grad_norm);
   if (!grad_mult) return;
-  const bool has_master = master_mode == kFp32Master || master_mode == kRemainder;
+  const bool has_master = mode_has_masters(master_mode);
   // Codes follow the logical (row-major) order, so every operand is used contiguous. 4-bit codes
   // (checked contiguous, half the size) are taken as they lie, like the absmax.
   const at::TensorList no_list;

@@ -43,7 +43,7 @@ void adam8bit_step_cuda(at::TensorList params, at::TensorList grads, at::TensorL
   // tensor is read here (a host read, not a device sync). As adam_step_'s CUDA binding.
   const LrArg lr_arg = resolve_lr(lr, lr_tensor, dev);
 
-  const bool has_master = master_mode == kFp32Master || master_mode == kRemainder;
+  const bool has_master = mode_has_masters(master_mode);
   // Codes follow the logical (row-major) order, so every operand is used contiguous: the others
   // are staged (device copies, written back by finish()).
   PackedLists<5> packed({params, grads, exp_avgs, exp_avg_sqs,

@@ -24,7 +24,7 @@ void adam_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
   // Skip on found_inf > 0: nothing is touched, step counters included. CPU tensors: no sync.
   const std::optional<float> grad_mult = cpu_grad_mult(grad_scale, found_inf, norm_sq, max_grad_norm);
   if (!grad_mult) return;
-  const bool has_master = master_mode == kFp32Master || master_mode == kRemainder;
+  const bool has_master = mode_has_masters(master_mode);
   PackedLists<6> packed({params, grads, exp_avgs, exp_avg_sqs,
                          amsgrad ? max_exp_avg_sqs : at::TensorList(),
                          has_master ? masters : at::TensorList()},

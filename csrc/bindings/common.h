@@ -74,12 +74,28 @@ inline void check_grad_dtypes(at::TensorList params, at::TensorList grads) {
                 grads[i].scalar_type());
 }
 
-// Masters of master_mode: fp32 masters or int16 remainders, one per param whose mode needs it (a
-// missing one would be a null pointer in the kernel).
+// Whether master_mode reads a masters list (MasterStore<MODE>::kStored).
+inline bool mode_has_masters(int64_t master_mode) {
+  return master_mode == kFp32Master || master_mode == kRemainder || master_mode == kRemainder8;
+}
+
+// Masters of master_mode: fp32 masters, int16 remainders or int8 corrections (remainder8, bf16
+// or fp32 params only), one per param whose mode needs it (a missing one would be a null pointer
+// in the kernel).
 inline void check_masters(at::TensorList params, at::TensorList masters, int64_t master_mode) {
+  TORCH_CHECK(master_mode >= kNoMaster && master_mode <= kRemainder8,
+              "mpfused: master_mode must be 0 (none), 1 (fp32), 2 (remainder), 3 (stochastic) or "
+              "4 (remainder8), got ", master_mode);
   if (master_mode == kFp32Master) check_dtypes(masters, at::kFloat, "masters");
   if (master_mode == kRemainder) check_dtypes(masters, at::kShort, "masters (remainders)");
-  if (master_mode != kFp32Master && master_mode != kRemainder) return;
+  if (master_mode == kRemainder8) {
+    check_dtypes(masters, at::kChar, "masters (remainder8 corrections)");
+    for (size_t i = 0; i < params.size(); ++i)
+      TORCH_CHECK(params[i].scalar_type() != at::kHalf, "mpfused: master_mode 4 (remainder8) "
+                  "needs bfloat16 (or float32) params: params[", i, "] is float16, which is not "
+                  "the top half of an fp32 word");
+  }
+  if (!mode_has_masters(master_mode)) return;
   for (size_t i = 0; i < params.size(); ++i)
     TORCH_CHECK(masters.size() == params.size() || params[i].scalar_type() == at::kFloat ||
                     (master_mode == kRemainder && params[i].scalar_type() == at::kHalf) ||

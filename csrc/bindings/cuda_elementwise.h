@@ -37,7 +37,7 @@ void run_elementwise_cuda(const at::Device& dev, at::TensorList params, at::Tens
   // tensor is read here (a host read, not a device sync).
   const LrArg lr_arg = resolve_lr(lr, lr_tensor, dev);
 
-  const bool has_master = master_mode == kFp32Master || master_mode == kRemainder;
+  const bool has_master = mode_has_masters(master_mode);
   // PackedLists order: param, grad, master, then the states. Stochastic rounding draws per
   // logical element index (as the reference): such tensors are visited in logical order, so
   // non-contiguous ones are staged.

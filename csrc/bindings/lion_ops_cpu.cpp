@@ -24,7 +24,7 @@ void lion_step_cpu(at::TensorList params, at::TensorList grads, at::TensorList e
   const std::optional<float> grad_mult =
       cpu_grad_mult(grad_scale, found_inf, norm_sq, max_grad_norm);
   if (!grad_mult) return;
-  const bool has_master = master_mode == kFp32Master || master_mode == kRemainder;
+  const bool has_master = mode_has_masters(master_mode);
   // Operands in cpu::LionOperand order. Stochastic rounding indexes its stream in logical
   // (row-major) order: such tensors are staged.
   PackedLists<4> packed({params, grads, exp_avgs, has_master ? masters : at::TensorList()},

@@ -23,7 +23,7 @@ struct OneState8bitCpuLists {
                        int64_t master_mode, at::IntArrayRef param_ids,
                        at::IntArrayRef elem_offsets)
       : packed({params, grads, codes,
-                master_mode == kFp32Master || master_mode == kRemainder ? masters
+                mode_has_masters(master_mode) ? masters
                                                                         : at::TensorList()},
                {true, false, true, true}, "params", /*require_logical_order=*/true),
         absmax(packed.index.size()),

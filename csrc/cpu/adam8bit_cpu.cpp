@@ -117,8 +117,7 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
   // element offsets below are relative to `begin`, which is block-aligned (so even)
   uint8_t* __restrict c1 = static_cast<uint8_t*>(ops[kQExpAvg]) + begin * BITS / 8;
   uint8_t* __restrict c2 = static_cast<uint8_t*>(ops[kQExpAvgSq]) + begin * BITS / 8;
-  float* __restrict master = MODE == kFp32Master ? static_cast<float*>(ops[kQMaster]) + begin : nullptr;
-  int16_t* __restrict rem = MODE == kRemainder ? static_cast<int16_t*>(ops[kQMaster]) + begin : nullptr;
+  master_t<MODE>* __restrict mst = master_operand<MODE>(ops[kQMaster], begin);
   float* __restrict absmax1 = static_cast<float*>(ops[kQAbsmax1]);
   float* __restrict absmax2 = static_cast<float*>(ops[kQAbsmax2]);
   const float* __restrict map1 = mp.map1;
@@ -178,12 +177,12 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
 #pragma omp simd reduction(max : t1, t2)
         for (int64_t j = 0; j < tl; ++j) {
           const int64_t i = o + j;
-          float w = load_weight<T, MODE>(p, master, rem, i);
+          float w = load_weight<T, MODE>(p, mst, i);
           float m = VBMI ? d1[j] * a1 : quant8_decode(map1, in1[j], a1);
           float v = VBMI ? d2[j] * a2 : quant8_decode(map2, in2[j], a2);
           float unused = 0.f;
           adam_element<false>(w, to_f32(g[i]), m, v, unused, sc);
-          store_weight<T, MODE>(w, p, master, rem, i, seed, stream, begin + i);
+          store_weight<T, MODE>(w, p, mst, i, seed, stream, begin + i);
           mc[j] = m;
           vc[j] = v;
           const uint32_t b1 = f32_bits(fabsf(m)), b2 = f32_bits(fabsf(v));
@@ -252,17 +251,9 @@ ChunkFn pick_lut(bool lut) {
 
 template <int BITS>
 ChunkFn pick_kernel(int32_t dtype, int mode, bool lut) {
-  switch (dtype) {
-    case kFloat32: return pick_lut<float, kNoMaster, BITS>(lut);  // fp32 params are their own master
-    case kFloat16: return mode == kFp32Master ? pick_lut<f16_t, kFp32Master, BITS>(lut) : pick_lut<f16_t, kNoMaster, BITS>(lut);
-    default:
-      switch (mode) {
-        case kFp32Master: return pick_lut<bf16_t, kFp32Master, BITS>(lut);
-        case kRemainder: return pick_lut<bf16_t, kRemainder, BITS>(lut);
-        case kStochastic: return pick_lut<bf16_t, kStochastic, BITS>(lut);
-        default: return pick_lut<bf16_t, kNoMaster, BITS>(lut);
-      }
-  }
+  return dispatch_master_mode(dtype, mode, [lut](auto tag, auto m) {
+    return pick_lut<decltype(tag), decltype(m)::value, BITS>(lut);
+  });
 }
 
 }  // namespace

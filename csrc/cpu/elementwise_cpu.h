@@ -19,7 +19,7 @@ namespace mpfused::cpu {
 //   static Scalars scalars(const Config&, double t);  t: the tensor's step, already incremented
 //   static void element(float& w, float g, float* state, const Scalars&);  state: K values
 // Operands of the TensorLists<DEPTH>: 0 param, 1 grad, 2 .. 2+K-1 state, DEPTH-1 master (fp32
-// masters or int16 remainders). DEPTH is the op's layout; a variant with fewer states (SGD
+// masters, int16 remainders or int8 corrections: MasterStore). DEPTH is the op's layout; a variant with fewer states (SGD
 // without momentum) leaves the other slots unread (null).
 template <typename P, int DEPTH, typename T, int MODE>
 MPF_CPU_MULTIVERSION void elementwise_chunk(void* const* ops, int64_t begin, int64_t n,
@@ -33,16 +33,13 @@ MPF_CPU_MULTIVERSION void elementwise_chunk(void* const* ops, int64_t begin, int
   float* __restrict s0 = K > 0 ? static_cast<float*>(ops[2]) + begin : nullptr;
   float* __restrict s1 = K > 1 ? static_cast<float*>(ops[3]) + begin : nullptr;
   float* __restrict s2 = K > 2 ? static_cast<float*>(ops[4]) + begin : nullptr;
-  float* __restrict master =
-      MODE == kFp32Master ? static_cast<float*>(ops[DEPTH - 1]) + begin : nullptr;
-  int16_t* __restrict rem =
-      MODE == kRemainder ? static_cast<int16_t*>(ops[DEPTH - 1]) + begin : nullptr;
+  master_t<MODE>* __restrict mst = master_operand<MODE>(ops[DEPTH - 1], begin);
   // A tensor's operands are distinct tensors (the schema's aliasing): no dependence between
   // iterations. ivdep, not omp simd: omp simd privatizes x[] per lane, and GCC 12 then left SGD
   // with momentum scalar (several times slower in cache).
 #pragma GCC ivdep
   for (int64_t i = 0; i < n; ++i) {
-    float w = load_weight<T, MODE>(p, master, rem, i);
+    float w = load_weight<T, MODE>(p, mst, i);
     float x[K > 0 ? K : 1] = {};  // no zero-length arrays
     if constexpr (K > 0) x[0] = s0[i];
     if constexpr (K > 1) x[1] = s1[i];
@@ -51,7 +48,7 @@ MPF_CPU_MULTIVERSION void elementwise_chunk(void* const* ops, int64_t begin, int
     if constexpr (K > 0) s0[i] = x[0];
     if constexpr (K > 1) s1[i] = x[1];
     if constexpr (K > 2) s2[i] = x[2];
-    store_weight<T, MODE>(w, p, master, rem, i, seed, stream, begin + i);
+    store_weight<T, MODE>(w, p, mst, i, seed, stream, begin + i);
   }
 }
 
@@ -59,23 +56,12 @@ template <typename P>
 using ElementwiseChunkFn = void (*)(void* const*, int64_t, int64_t, const typename P::Scalars&,
                                     uint64_t, uint64_t);
 
-// The master modes each dtype has (every backend's rule): fp32 params are their own master, fp16
-// has an fp32 master or none, bf16 every mode (remainders and stochastic rounding included).
+// The kernel of a tensor: its storage type and effective master mode (dispatch_master_mode).
 template <typename P, int DEPTH>
 ElementwiseChunkFn<P> pick_elementwise_chunk(int32_t dtype, int mode) {
-  switch (dtype) {
-    case kFloat32: return &elementwise_chunk<P, DEPTH, float, kNoMaster>;
-    case kFloat16:
-      return mode == kFp32Master ? &elementwise_chunk<P, DEPTH, f16_t, kFp32Master>
-                                 : &elementwise_chunk<P, DEPTH, f16_t, kNoMaster>;
-    default:
-      switch (mode) {
-        case kFp32Master: return &elementwise_chunk<P, DEPTH, bf16_t, kFp32Master>;
-        case kRemainder: return &elementwise_chunk<P, DEPTH, bf16_t, kRemainder>;
-        case kStochastic: return &elementwise_chunk<P, DEPTH, bf16_t, kStochastic>;
-        default: return &elementwise_chunk<P, DEPTH, bf16_t, kNoMaster>;
-      }
-  }
+  return dispatch_master_mode(dtype, mode, [](auto tag, auto m) -> ElementwiseChunkFn<P> {
+    return &elementwise_chunk<P, DEPTH, decltype(tag), decltype(m)::value>;
+  });
 }
 
 // One step of policy P over every tensor of `t`. step[i]: tensor i's step t (already

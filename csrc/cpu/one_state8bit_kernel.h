@@ -36,8 +36,7 @@ MPF_HD void state8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t 
   T* __restrict p = static_cast<T*>(ops[kSParam]) + begin;
   const T* __restrict g = static_cast<const T*>(ops[kSGrad]) + begin;
   uint8_t* __restrict c = static_cast<uint8_t*>(ops[kSState]) + begin;
-  float* __restrict master = MODE == kFp32Master ? static_cast<float*>(ops[kSMaster]) + begin : nullptr;
-  int16_t* __restrict rem = MODE == kRemainder ? static_cast<int16_t*>(ops[kSMaster]) + begin : nullptr;
+  master_t<MODE>* __restrict mst = master_operand<MODE>(ops[kSMaster], begin);
   float* __restrict absmax = static_cast<float*>(ops[kSAbsmax]);
   const float* __restrict map = sm.map;
   const uint32_t* __restrict lut = sm.enc->lut.center();
@@ -74,10 +73,10 @@ MPF_HD void state8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t 
 #pragma omp simd reduction(max : tm)
         for (int64_t j = 0; j < tl; ++j) {
           const int64_t i = o + j;
-          float w = load_weight<T, MODE>(p, master, rem, i);
+          float w = load_weight<T, MODE>(p, mst, i);
           float s = VBMI ? dec[j] * a : quant8_decode(map, codes[j], a);
           uc(w, to_f32(g[i]), s);
-          store_weight<T, MODE>(w, p, master, rem, i, seed, stream, begin + i);
+          store_weight<T, MODE>(w, p, mst, i, seed, stream, begin + i);
           sc[j] = s;
           const uint32_t bits = f32_bits(fabsf(s));
           tm = tm > bits ? tm : bits;
@@ -140,19 +139,9 @@ StateChunkFn<U> pick_state8_isa(bool lut) {
 
 template <class U>
 StateChunkFn<U> pick_state8_kernel(int32_t dtype, int mode, bool lut) {
-  switch (dtype) {
-    case kFloat32: return pick_state8_isa<U, float, kNoMaster>(lut);  // fp32: its own master
-    case kFloat16:
-      return mode == kFp32Master ? pick_state8_isa<U, f16_t, kFp32Master>(lut)
-                                 : pick_state8_isa<U, f16_t, kNoMaster>(lut);
-    default:
-      switch (mode) {
-        case kFp32Master: return pick_state8_isa<U, bf16_t, kFp32Master>(lut);
-        case kRemainder: return pick_state8_isa<U, bf16_t, kRemainder>(lut);
-        case kStochastic: return pick_state8_isa<U, bf16_t, kStochastic>(lut);
-        default: return pick_state8_isa<U, bf16_t, kNoMaster>(lut);
-      }
-  }
+  return dispatch_master_mode(dtype, mode, [lut](auto tag, auto m) {
+    return pick_state8_isa<U, decltype(tag), decltype(m)::value>(lut);
+  });
 }
 
 // The step over every tensor: upd[i] is tensor i's update (its scalars), block-aligned chunks

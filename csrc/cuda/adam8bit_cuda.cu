@@ -24,9 +24,8 @@
 //             elements are always in one quantization block): it dequantizes with the OLD
 //             absmax, runs adam_element in fp32, stores the param (and master), parks the
 //             updated fp32 moments in its own slots of shared memory and takes |m|, |v| maxima.
-//   reduce    block max per quantization block, deterministic (a fixed butterfly, and max is
-//             exact): the maxima are reduced as the bit patterns of |x| (uint order = float
-//             order for non-negative floats; a NaN moment gives a NaN absmax in any order).
+//   reduce    block max per quantization block, deterministic (quant8_block_cuda.cuh's QMax:
+//             a fixed butterfly over the bit patterns of |x|, a NaN moment gives a NaN absmax).
 //             Stage A, per pass: a butterfly over the min(32, block_size / 4) lanes that cover
 //             one quantization block (block_size <= 128: final) or the whole warp (128
 //             elements); stage B (block_size > 128): warp 0 reduces the 32 per-warp partials of
@@ -49,26 +48,11 @@
 #include "adam8bit_prepare.cuh"
 #include "mpfused/quant8_math.h"
 #include "multi_tensor_apply.cuh"
+#include "quant8_block_cuda.cuh"
 
 namespace mpfused::cuda {
 namespace q8 {
 
-constexpr int kWarp = 32;
-constexpr int kWarps = kBlockSize / kWarp;
-constexpr int kVec = 4;                                  // consecutive elements per access
-constexpr int64_t kPassElems = int64_t(kBlockSize) * kVec;  // 2048
-constexpr int64_t kChunk = 4096;                         // multi_tensor_apply chunk size
-constexpr int kPasses = int(kChunk / kPassElems);        // 2
-constexpr int64_t kMinBlock = 64, kMaxBlock = 4096;
-constexpr int kMaxQBlocks = int(kChunk / kMinBlock);     // quantization blocks per chunk (<= 64)
-constexpr int64_t kWarpElems = int64_t(kWarp) * kVec;    // elements of one warp in one pass: 128
-constexpr int kPartials = int(kChunk / kWarpElems);      // stage-A partials per chunk: 32
-
-static_assert(kChunk % kMaxBlock == 0, "a chunk must hold whole quantization blocks");
-static_assert(kChunk % kPassElems == 0, "a chunk is whole passes");
-static_assert(kMinBlock % kVec == 0, "a vector never straddles two quantization blocks");
-static_assert(kMinBlock / kVec >= 2 && kMinBlock / kVec <= 2 * kWarp, "stage-A segments");
-static_assert(kPartials <= kWarp, "stage B runs on one warp");
 static_assert(kBlockSize == 2 * kQuantCodes, "setup: one thread per map entry of both maps");
 
 struct alignas(16) Shared {  // 16: the parked moments are accessed as 16-byte vectors
@@ -78,10 +62,7 @@ struct alignas(16) Shared {  // 16: the parked moments are accessed as 16-byte v
   float map2[kQuantCodes];
   float eyt1[kQuantCodes];  // decision thresholds in Eytzinger order (quant8_encode_eytzinger)
   float eyt2[kQuantCodes];
-  uint32_t part1[kPartials];  // stage A partials (block_size > 128), |m| bits
-  uint32_t part2[kPartials];  // |v| bits
-  uint32_t am1[kMaxQBlocks];  // new absmax bits per quantization block of the chunk
-  uint32_t am2[kMaxQBlocks];
+  QMax<2> red;  // new absmax of m (0) and v (1): stage-A partials, block maxima
   AdamScalars scalars;
   uint64_t seed;
   int32_t zero_code;
@@ -90,55 +71,12 @@ struct alignas(16) Shared {  // 16: the parked moments are accessed as 16-byte v
 static_assert(offsetof(Shared, eyt1) % 128 == 0 && offsetof(Shared, eyt2) % 128 == 0,
               "Eytzinger thresholds start at bank 0");
 
-template <typename T, int V>
-struct alignas(sizeof(T) * V) VecN {
-  T v[V];
-};
-
-__device__ __forceinline__ bool aligned(const void* p, unsigned bytes) {
-  return (reinterpret_cast<uintptr_t>(p) & (bytes - 1)) == 0;
-}
-
-__device__ __forceinline__ uint32_t umax(uint32_t a, uint32_t b) { return a > b ? a : b; }
-
-// kVec elements from p[e..]: one vector access when `vec` and the whole vector is in range,
-// else element by element (the first cnt). Out-of-range entries are left as they are.
-template <typename T>
-__device__ __forceinline__ void load_n(const T* p, int e, int cnt, bool vec,
-                                       T* out) {
-  if (vec && cnt >= kVec) {
-    const VecN<T, kVec> x = *reinterpret_cast<const VecN<T, kVec>*>(p + e);
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) out[j] = x.v[j];
-  } else {
-#pragma unroll
-    for (int j = 0; j < kVec; ++j)
-      if (j < cnt) out[j] = p[e + j];
-  }
-}
-
-template <typename T>
-__device__ __forceinline__ void store_n(T* p, int e, int cnt, bool vec,
-                                        const T* in) {
-  if (vec && cnt >= kVec) {
-    VecN<T, kVec> x;
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) x.v[j] = in[j];
-    *reinterpret_cast<VecN<T, kVec>*>(p + e) = x;
-  } else {
-#pragma unroll
-    for (int j = 0; j < kVec; ++j)
-      if (j < cnt) p[e + j] = in[j];
-  }
-}
-
 // One chunk (whole quantization blocks) of one tensor, run by all kBlockSize threads of a block.
 // T / MODE: the effective storage type and master mode (cpu::pick_kernel's choice).
 template <typename T, int MODE>
 __device__ __forceinline__ void run_chunk(Shared& sh, const MtaChunk<kAdam8bitDepth>& c,
                                           const Adam8bitConfig& cfg, const Workspace& ws) {
   const int tid = int(threadIdx.x);
-  const int lane = tid % kWarp, warp = tid / kWarp;
   // Chunk-local indices fit in int (n <= kChunk); the block size is a power of two.
   const int n = int(c.n);
   const int B = int(cfg.block_size);
@@ -153,10 +91,10 @@ __device__ __forceinline__ void run_chunk(Shared& sh, const MtaChunk<kAdam8bitDe
     const int i = tid % kQuantCodes;
     if (tid < kQuantCodes) {
       sh.map1[i] = cfg.map1[i];
-      sh.eyt1[i] = ws.maps->eyt1[i];
+      sh.eyt1[i] = ws.maps->eyt[0][i];
     } else {
       sh.map2[i] = cfg.map2[i];
-      sh.eyt2[i] = ws.maps->eyt2[i];
+      sh.eyt2[i] = ws.maps->eyt[1][i];
     }
   }
   if (tid == 0) {
@@ -182,35 +120,33 @@ __device__ __forceinline__ void run_chunk(Shared& sh, const MtaChunk<kAdam8bitDe
   const T* g = static_cast<const T*>(c.ptr[kQ8Grad]) + c.begin;
   uint8_t* c1 = static_cast<uint8_t*>(c.ptr[kQ8ExpAvg]) + c.begin;
   uint8_t* c2 = static_cast<uint8_t*>(c.ptr[kQ8ExpAvgSq]) + c.begin;
-  float* master = MODE == kFp32Master ? static_cast<float*>(c.ptr[kQ8Master]) + c.begin : nullptr;
-  int16_t* rem = MODE == kRemainder ? static_cast<int16_t*>(c.ptr[kQ8Master]) + c.begin : nullptr;
+  using M = master_t<MODE>;
+  constexpr bool kHasM = MasterStore<MODE>::kStored;
+  M* mst = master_operand<MODE>(c.ptr[kQ8Master], c.begin);
   const bool vec = aligned(p, kVec * sizeof(T)) && aligned(g, kVec * sizeof(T)) &&
                    aligned(c1, kVec) && aligned(c2, kVec) &&
-                   (MODE != kFp32Master || aligned(master, kVec * sizeof(float))) &&
-                   (MODE != kRemainder || aligned(rem, kVec * sizeof(int16_t)));
+                   (!kHasM || aligned(mst, kVec * sizeof(M)));
 
   // Pass k: thread t owns elements e = 2048 k + 4t .. +3 (one quantization block). The updated
   // fp32 moments go to shared memory (the thread's own slots) until the absmax is known, so a
   // thread keeps nothing across passes but its pointers and scalars (register budget: two
   // 512-thread blocks per SM).
-  const int seg = B / kVec < kWarp ? B / kVec : kWarp;  // stage-A lanes
+  const int seg = qmax_lanes(B);
 #pragma unroll 1
   for (int k = 0; k < kPasses; ++k) {
     const int e = k * int(kPassElems) + tid * kVec;
     const int cnt = n - e;
     VecN<float, kVec> mv, vv;
-    uint32_t x1 = 0u, x2 = 0u;  // bits of max |m|, max |v| over the vector
+    uint32_t x[2] = {0u, 0u};  // bits of max |m|, max |v| over the vector
     if (cnt > 0) {
       T pv[kVec], gv[kVec];
       uint8_t k1[kVec], k2[kVec];
-      float wv[kVec];
-      int16_t rv[kVec];
+      M mv_[kVec] = {};
       load_n(p, e, cnt, vec, pv);
       load_n(g, e, cnt, vec, gv);
       load_n(c1, e, cnt, vec, k1);
       load_n(c2, e, cnt, vec, k2);
-      if constexpr (MODE == kFp32Master) load_n(master, e, cnt, vec, wv);
-      if constexpr (MODE == kRemainder) load_n(rem, e, cnt, vec, rv);
+      if constexpr (kHasM) load_n(mst, e, cnt, vec, mv_);
       const float a1 = absmax1[e >> lb];  // the OLD absmax (overwritten after the barriers)
       const float a2 = absmax2[e >> lb];
 #pragma unroll
@@ -219,96 +155,44 @@ __device__ __forceinline__ void run_chunk(Shared& sh, const MtaChunk<kAdam8bitDe
         vv.v[j] = 0.f;
         if (j >= cnt) continue;
         // cpu::adam8bit_chunk's loop body (load_weight / adam_element / store_weight).
-        float w;
-        if constexpr (MODE == kFp32Master) w = wv[j];
-        else if constexpr (MODE == kRemainder) w = remainder_join(pv[j].bits, rv[j]);
-        else w = to_f32(pv[j]);
+        float w = load_weight<T, MODE>(pv[j], mv_[j]);
         float m = quant8_decode(sh.map1, k1[j], a1);
         float v = quant8_decode(sh.map2, k2[j], a2);
         float unused = 0.f;
         adam_element<false>(w, to_f32(gv[j]), m, v, unused, s);
-        if constexpr (MODE == kFp32Master) {
-          wv[j] = w;
-          pv[j] = from_f32<T>(w);
-        } else if constexpr (MODE == kRemainder) {
-          uint16_t hi;
-          int16_t lo;
-          remainder_split(w, hi, lo);
-          pv[j] = T{hi};
-          rv[j] = lo;
-        } else if constexpr (MODE == kStochastic) {
-          pv[j] = T{bf16_bits_stochastic(
-              w, random16(seed, reinterpret_cast<uint64_t>(c.ptr[kQ8Stream]),
-                          uint64_t(c.begin + (e + j))))};
-        } else {
-          pv[j] = from_f32<T>(w);
-        }
+        store_weight<T, MODE>(w, pv[j], mv_[j], seed, reinterpret_cast<uint64_t>(c.ptr[kQ8Stream]),
+                              c.begin + (e + j));
         mv.v[j] = m;
         vv.v[j] = v;
-        x1 = umax(x1, f32_bits(fabsf(m)));
-        x2 = umax(x2, f32_bits(fabsf(v)));
+        x[0] = umax(x[0], f32_bits(fabsf(m)));
+        x[1] = umax(x[1], f32_bits(fabsf(v)));
       }
       store_n(p, e, cnt, vec, pv);
-      if constexpr (MODE == kFp32Master) store_n(master, e, cnt, vec, wv);
-      if constexpr (MODE == kRemainder) store_n(rem, e, cnt, vec, rv);
+      if constexpr (kHasM) store_n(mst, e, cnt, vec, mv_);
       *reinterpret_cast<VecN<float, kVec>*>(sh.mst + e) = mv;
       *reinterpret_cast<VecN<float, kVec>*>(sh.vst + e) = vv;
     }
-    // Stage A (every lane, in or out of range: out of range counts as 0): butterfly over the
-    // lanes of one quantization block (B <= 128) or of the whole warp (128 elements).
-    for (int off = seg / 2; off > 0; off /= 2) {
-      x1 = umax(x1, __shfl_xor_sync(0xffffffffu, x1, off));
-      x2 = umax(x2, __shfl_xor_sync(0xffffffffu, x2, off));
-    }
-    if (B <= int(kWarpElems)) {
-      if (lane % seg == 0) {  // first lane of its quantization block: the block's max
-        sh.am1[e >> lb] = x1;
-        sh.am2[e >> lb] = x2;
-      }
-    } else if (lane == 0) {  // partial of elements [128 i, 128 i + 128) of the chunk
-      sh.part1[k * kWarps + warp] = x1;
-      sh.part2[k * kWarps + warp] = x2;
-    }
+    qmax_stage_a(sh.red, x, B, lb, seg, k, e);
   }
-  __syncthreads();
-  // Stage B (B > 128): warp 0 reduces the partials in segments of B / 128.
-  if (B > kWarpElems) {
-    if (warp == 0) {
-      const int r = B / int(kWarpElems);
-      uint32_t x1 = sh.part1[lane], x2 = sh.part2[lane];
-      for (int off = r / 2; off > 0; off /= 2) {
-        x1 = umax(x1, __shfl_xor_sync(0xffffffffu, x1, off));
-        x2 = umax(x2, __shfl_xor_sync(0xffffffffu, x2, off));
-      }
-      if (lane % r == 0) {
-        sh.am1[lane / r] = x1;
-        sh.am2[lane / r] = x2;
-      }
-    }
-    __syncthreads();
-  }
+  qmax_finish(sh.red, B);
 
   // ---- new absmax, requantize -------------------------------------------------------------------
   if (tid < nq) {  // every old-absmax read happened before the barriers above
-    absmax1[tid] = bits_f32(sh.am1[tid]);
-    absmax2[tid] = bits_f32(sh.am2[tid]);
+    absmax1[tid] = bits_f32(sh.red.am[0][tid]);
+    absmax2[tid] = bits_f32(sh.red.am[1][tid]);
   }
 #pragma unroll 1
   for (int k = 0; k < kPasses; ++k) {
     const int e = k * int(kPassElems) + tid * kVec;
     const int cnt = n - e;
     if (cnt <= 0) break;
-    const float r1 = quant8_inv_scale(bits_f32(sh.am1[e >> lb]));
-    const float r2 = quant8_inv_scale(bits_f32(sh.am2[e >> lb]));
+    const float r1 = quant8_inv_scale(bits_f32(sh.red.am[0][e >> lb]));
+    const float r2 = quant8_inv_scale(bits_f32(sh.red.am[1][e >> lb]));
     const VecN<float, kVec> mv = *reinterpret_cast<const VecN<float, kVec>*>(sh.mst + e);
     const VecN<float, kVec> vv = *reinterpret_cast<const VecN<float, kVec>*>(sh.vst + e);
     uint8_t k1[kVec], k2[kVec];
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) {
-      const int32_t q1 = quant8_encode_eytzinger(sh.eyt1, mv.v[j] * r1);
-      k1[j] = uint8_t(quant8_keep_negative(q1, mv.v[j], zc));
-      k2[j] = uint8_t(quant8_encode_eytzinger(sh.eyt2, vv.v[j] * r2));
-    }
+    encode_n<true>(sh.eyt1, mv, r1, zc, k1);
+    encode_n<false>(sh.eyt2, vv, r2, zc, k2);
     store_n(c1, e, cnt, vec, k1);
     store_n(c2, e, cnt, vec, k2);
   }
@@ -321,15 +205,15 @@ __device__ __forceinline__ void run_block(Shared& sh, const MtaChunk<kAdam8bitDe
                                           const Adam8bitConfig& cfg, const Workspace& ws) {
   // Skipped step: every block leaves before touching anything (uniform branch).
   if (cfg.found_inf != nullptr && *cfg.found_inf > 0.f) return;
-  switch (c.dtype) {
-    case kFloat32:  // fp32 params are their own master
-      run_chunk<float, kNoMaster>(sh, c, cfg, ws);
+  switch (c.dtype) {  // effective_master_mode: fp32 params are their own master
+    case kFloat32:
+      run_chunk<float, effective_master_mode<float>(MODE)>(sh, c, cfg, ws);
       break;
     case kFloat16:
-      run_chunk<f16_t, MODE == kFp32Master ? kFp32Master : kNoMaster>(sh, c, cfg, ws);
+      run_chunk<f16_t, effective_master_mode<f16_t>(MODE)>(sh, c, cfg, ws);
       break;
     default:
-      run_chunk<bf16_t, MODE>(sh, c, cfg, ws);
+      run_chunk<bf16_t, effective_master_mode<bf16_t>(MODE)>(sh, c, cfg, ws);
       break;
   }
 }
@@ -371,12 +255,9 @@ cudaError_t adam8bit_step(const TensorLists<kAdam8bitDepth>& t, const Adam8bitCo
   if (workspace == nullptr || (reinterpret_cast<uintptr_t>(workspace) & 15) != 0)
     return cudaErrorInvalidValue;
   if (t.size == 0) return cudaSuccess;
-  switch (cfg.master_mode) {
-    case kFp32Master: return launch<kFp32Master>(t, cfg, workspace, stream);
-    case kRemainder: return launch<kRemainder>(t, cfg, workspace, stream);
-    case kStochastic: return launch<kStochastic>(t, cfg, workspace, stream);
-    default: return launch<kNoMaster>(t, cfg, workspace, stream);
-  }
+  // bf16 has every mode: the kernel narrows it per dtype (effective_master_mode)
+  return dispatch_master_mode(kBFloat16, cfg.master_mode,
+                              [&](auto, auto m) { return launch<decltype(m)::value>(t, cfg, workspace, stream); });
 }
 
 size_t adam8bit_workspace_bytes(int64_t ntensors) { return q8::workspace_bytes(ntensors); }

@@ -63,12 +63,12 @@ __device__ __forceinline__ float grad_mult(const StepCommon& k) {
 
 // One element: the CPU kernels' loop body. `index`: the element's position in its tensor.
 template <typename P, typename T, int MODE>
-__device__ __forceinline__ void one(T& p, T g, float (&st)[Slots<P::kStates>], float& master,
-                                    int16_t& rem, const typename P::Scalars& s, uint64_t seed,
+__device__ __forceinline__ void one(T& p, T g, float (&st)[Slots<P::kStates>], master_t<MODE>& m,
+                                    const typename P::Scalars& s, uint64_t seed,
                                     uint64_t stream, int64_t index) {
-  float w = load_weight<T, MODE>(&p, &master, &rem, 0);
+  float w = load_weight<T, MODE>(p, m);
   P::element(w, to_f32(g), st, s);
-  store_weight<T, MODE>(w, &p, &master, &rem, 0, seed, stream, index);
+  store_weight<T, MODE>(w, p, m, seed, stream, index);
 }
 
 // One chunk of one tensor (T, MODE: the effective storage type and master mode).
@@ -81,16 +81,16 @@ __device__ __forceinline__ void range(const MtaChunk<kEwFixed + P::kStates>& c,
   float* st[KS] = {};
 #pragma unroll
   for (int k = 0; k < K; ++k) st[k] = static_cast<float*>(c.ptr[kEwState + k]) + c.begin;
-  float* master = MODE == kFp32Master ? static_cast<float*>(c.ptr[kEwMaster]) + c.begin : nullptr;
-  int16_t* rem = MODE == kRemainder ? static_cast<int16_t*>(c.ptr[kEwMaster]) + c.begin : nullptr;
+  using M = master_t<MODE>;
+  constexpr bool kHasM = MasterStore<MODE>::kStored;
+  M* mst = master_operand<MODE>(c.ptr[kEwMaster], c.begin);
   const uint64_t stream = reinterpret_cast<uint64_t>(c.ptr[kEwStream]);
 
-  // 4-element vectors (16 B for the fp32 operands, 8 B for 16-bit ones) when every operand used
-  // is aligned for them.
+  // 4-element vectors (16 B for the fp32 operands, 8 B for 16-bit ones, 4 B for int8 ones) when
+  // every operand used is aligned for them.
   constexpr int V = 4;
   bool vec = is_aligned(p, V * sizeof(T)) && is_aligned(g, V * sizeof(T)) &&
-             (MODE != kFp32Master || is_aligned(master, 16)) &&
-             (MODE != kRemainder || is_aligned(rem, 8));
+             (!kHasM || is_aligned(mst, V * sizeof(M)));
 #pragma unroll
   for (int k = 0; k < K; ++k) vec = vec && is_aligned(st[k], 16);
   const int64_t nv = vec ? c.n / V : 0;
@@ -99,26 +99,23 @@ __device__ __forceinline__ void range(const MtaChunk<kEwFixed + P::kStates>& c,
     VecN<T, V> pv = load_vec<T, V>(p + i);
     const VecN<T, V> gv = load_vec<T, V>(g + i);
     VecN<float, V> sv[KS] = {};
-    VecN<float, V> wv{};
-    VecN<int16_t, V> rv{};
+    VecN<M, V> mv{};
 #pragma unroll
     for (int k = 0; k < K; ++k) sv[k] = load_vec<float, V>(st[k] + i);
-    if (MODE == kFp32Master) wv = load_vec<float, V>(master + i);
-    if (MODE == kRemainder) rv = load_vec<int16_t, V>(rem + i);
+    if constexpr (kHasM) mv = load_vec<M, V>(mst + i);
 #pragma unroll
     for (int e = 0; e < V; ++e) {
       float se[KS] = {};
 #pragma unroll
       for (int k = 0; k < K; ++k) se[k] = sv[k].v[e];
-      one<P, T, MODE>(pv.v[e], gv.v[e], se, wv.v[e], rv.v[e], s, seed, stream, c.begin + i + e);
+      one<P, T, MODE>(pv.v[e], gv.v[e], se, mv.v[e], s, seed, stream, c.begin + i + e);
 #pragma unroll
       for (int k = 0; k < K; ++k) sv[k].v[e] = se[k];
     }
     store_vec<T, V>(p + i, pv);
 #pragma unroll
     for (int k = 0; k < K; ++k) store_vec<float, V>(st[k] + i, sv[k]);
-    if (MODE == kFp32Master) store_vec<float, V>(master + i, wv);
-    if (MODE == kRemainder) store_vec<int16_t, V>(rem + i, rv);
+    if constexpr (kHasM) store_vec<M, V>(mst + i, mv);
   }
   // Tail, or the whole chunk when an operand is misaligned (offset views, e.g. DDP bucket
   // grads): kIlp elements 512 apart per thread, all loaded before any is computed, so a thread
@@ -126,8 +123,8 @@ __device__ __forceinline__ void range(const MtaChunk<kEwFixed + P::kStates>& c,
   constexpr int kIlp = P::kIlp;
   for (int64_t i0 = nv * V + threadIdx.x; i0 < c.n; i0 += int64_t(kBlockSize) * kIlp) {
     T pi[kIlp] = {}, gi[kIlp] = {};
-    float si[kIlp][KS] = {}, wi[kIlp] = {};
-    int16_t ri[kIlp] = {};
+    float si[kIlp][KS] = {};
+    M mi[kIlp] = {};
 #pragma unroll
     for (int u = 0; u < kIlp; ++u) {
       const int64_t i = i0 + int64_t(u) * kBlockSize;
@@ -136,20 +133,18 @@ __device__ __forceinline__ void range(const MtaChunk<kEwFixed + P::kStates>& c,
         gi[u] = g[i];
 #pragma unroll
         for (int k = 0; k < K; ++k) si[u][k] = st[k][i];
-        if (MODE == kFp32Master) wi[u] = master[i];
-        if (MODE == kRemainder) ri[u] = rem[i];
+        if constexpr (kHasM) mi[u] = mst[i];
       }
     }
 #pragma unroll
     for (int u = 0; u < kIlp; ++u) {
       const int64_t i = i0 + int64_t(u) * kBlockSize;
       if (i < c.n) {
-        one<P, T, MODE>(pi[u], gi[u], si[u], wi[u], ri[u], s, seed, stream, c.begin + i);
+        one<P, T, MODE>(pi[u], gi[u], si[u], mi[u], s, seed, stream, c.begin + i);
         p[i] = pi[u];
 #pragma unroll
         for (int k = 0; k < K; ++k) st[k][i] = si[u][k];
-        if (MODE == kFp32Master) master[i] = wi[u];
-        if (MODE == kRemainder) rem[i] = ri[u];
+        if constexpr (kHasM) mst[i] = mi[u];
       }
     }
   }
@@ -179,15 +174,15 @@ struct Functor {
     __syncthreads();
     const typename P::Scalars s = sh_scalars;
     const uint64_t seed = sh_seed;
-    switch (c.dtype) {
-      case kFloat32:  // fp32 params are their own master
-        range<P, float, kNoMaster>(c, s, seed);
+    switch (c.dtype) {  // effective_master_mode: fp32 params are their own master
+      case kFloat32:
+        range<P, float, effective_master_mode<float>(MODE)>(c, s, seed);
         break;
       case kFloat16:
-        range<P, f16_t, MODE == kFp32Master ? kFp32Master : kNoMaster>(c, s, seed);
+        range<P, f16_t, effective_master_mode<f16_t>(MODE)>(c, s, seed);
         break;
       default:
-        range<P, bf16_t, MODE>(c, s, seed);
+        range<P, bf16_t, effective_master_mode<bf16_t>(MODE)>(c, s, seed);
         break;
     }
   }
@@ -210,16 +205,11 @@ template <typename P>
 cudaError_t step(const TensorLists<kEwFixed + P::kStates>& t, const typename P::Config& cfg,
                  cudaStream_t stream) {
   constexpr int D = kEwFixed + P::kStates;
-  switch (cfg.common.master_mode) {
-    case kFp32Master:
-      return multi_tensor_apply<D>(t, kChunkSize, stream, Functor<P, kFp32Master>{cfg});
-    case kRemainder:
-      return multi_tensor_apply<D>(t, kChunkSize, stream, Functor<P, kRemainder>{cfg});
-    case kStochastic:
-      return multi_tensor_apply<D>(t, kChunkSize, stream, Functor<P, kStochastic>{cfg});
-    default:
-      return multi_tensor_apply<D>(t, kChunkSize, stream, Functor<P, kNoMaster>{cfg});
-  }
+  // bf16's mode is the requested one (every mode exists for bf16; the Functor narrows it per
+  // dtype).
+  return dispatch_master_mode(kBFloat16, cfg.common.master_mode, [&](auto, auto m) {
+    return multi_tensor_apply<D>(t, kChunkSize, stream, Functor<P, decltype(m)::value>{cfg});
+  });
 }
 
 }  // namespace mpfused::cuda::ew

@@ -154,6 +154,24 @@ def build_mpfused_8bit_remainder_release(base_model, device, dtype, hp):
                           block_size=256, min_8bit_size=4096, master_weights="remainder")
 
 
+def build_mpfused_remainder8(base_model, device, dtype, hp):
+    if dtype != torch.bfloat16:
+        raise RecipeUnavailable("the int8 master correction needs bf16 weights")
+    return _build_mpfused(base_model, device, dtype, hp, _family(hp).mpfused,
+                          master_weights="remainder8")
+
+
+def build_mpfused_8bit_remainder8(base_model, device, dtype, hp, release=False):
+    if dtype != torch.bfloat16:
+        raise RecipeUnavailable("the int8 master correction needs bf16 weights")
+    return _build_mpfused(base_model, device, dtype, hp, _family(hp).mpfused_8bit, release=release,
+                          block_size=256, min_8bit_size=4096, master_weights="remainder8")
+
+
+def build_mpfused_8bit_remainder8_release(base_model, device, dtype, hp):
+    return build_mpfused_8bit_remainder8(base_model, device, dtype, hp, release=True)
+
+
 def _build_peer(base_model, device, dtype, hp, module_name, class_name):
     if class_name is None:
         raise RecipeUnavailable(f"{module_name} has no 8-bit {hp.optimizer} optimizer")
@@ -209,6 +227,15 @@ RECIPES = {r.name: r for r in [
     Recipe("mpfused-8bit-remainder-release",
            "bf16 weights + mpfused.AdamW8bit (int16 remainder), step in backward",
            build_mpfused_8bit_remainder_release),
+    # The one-byte master correction (a 24-bit master): 2 + 1 + ~2 B/param with release.
+    Recipe("mpfused-remainder8", "bf16 weights + mpfused.AdamW (int8 correction: 24-bit master)",
+           build_mpfused_remainder8),
+    Recipe("mpfused-8bit-remainder8",
+           "bf16 weights + mpfused.AdamW8bit (int8 correction: 24-bit master)",
+           build_mpfused_8bit_remainder8),
+    Recipe("mpfused-8bit-remainder8-release",
+           "bf16 weights + mpfused.AdamW8bit (int8 correction), step in backward",
+           build_mpfused_8bit_remainder8_release),
 ]}
 
 DEFAULT_RECIPES = ["native", "mpfused", "mpfused-8bit", "bnb", "torchao"]

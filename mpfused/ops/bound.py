@@ -5,8 +5,9 @@ are new. Passing all of them to the op each step makes torch convert every Pytho
 C++ (~145 ns per tensor: 7 ms of a 10 ms call with 10,000 tensors and five lists). A
 ``BoundOp`` converts the fixed lists once, on its first native eager call, into
 ``torch.classes.mpfused.BoundLists`` (see csrc/bindings/bound_lists.cpp), and a step passes only
-the grads. Under ``torch.compile``, on the Triton or reference backend, or without the extension
-it calls the op with the plain lists, so every path computes the same thing. The op's trailing
+the grads. Under ``torch.compile``, where the dispatcher does not run the native kernel (router.py),
+with an explicit Triton/reference ``backend=`` or without the extension it calls the op with the
+plain lists, so every path computes the same thing. The op's trailing
 ``param_ids`` and ``elem_offsets`` (the stochastic-rounding keys) are fixed per bucket too: they
 are bound with the lists, and a call passes every argument up to ``seed``.
 """
@@ -47,8 +48,9 @@ class BoundOp:
         return self._native
 
     def __call__(self, grads: list[torch.Tensor], *rest, backend: str | None = None):
-        if (not torch.compiler.is_compiling() and self.op.chosen(self.device_type, backend) == "native"
-                and self.native() is not None):
+        # BoundLists calls the dispatcher op: only where the router registered the native kernel
+        if ((backend is None or backend in ("auto", "native")) and not torch.compiler.is_compiling()
+                and self.op.native_available(self.device_type) and self.native() is not None):
             return getattr(self._native, self.op.name)(grads, *rest)
         return self.op(self.lists[0], grads, *self.lists[1:], *rest, self.param_ids,
                        self.elem_offsets, backend=backend)

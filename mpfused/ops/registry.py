@@ -1,17 +1,21 @@
 """The op registry: every op is declared once here, with its schema, its fake (meta) kernel, its
 pure-PyTorch reference and, where they exist, its Triton and native implementations.
 
-Dispatch model
---------------
-* The schema is defined in Python (``torch.library``), so the op exists with or without the
-  extension. The reference is registered as the CompositeExplicitAutograd kernel, i.e. the
-  fallback on every device; the fake kernel lets ``torch.compile`` trace the op.
+Dispatch model: one router, torch's dispatcher
+----------------------------------------------
+* ``define_op`` defines the schema in Python (``torch.library``), so the op exists with or without
+  the extension; registers the fake kernel (``torch.compile`` traces the op as one opaque node)
+  and the reference as the ``CompositeExplicitAutograd`` kernel (the fallback on every device).
 * The native extension registers CPU and CUDA kernels for the same op names from C++
-  (``TORCH_LIBRARY_IMPL(mpfused, CPU/CUDA, m)``); the dispatcher then prefers them.
-* Backends are ``native``, ``triton`` and ``reference``. ``Op.__call__`` resolves which one
-  serves a call: the ``backend=`` argument, else ``MPFUSED_BACKEND``, else automatic (native when
-  it has a kernel for the device, then Triton on CUDA, then the reference). An explicit request
-  for an unavailable backend raises; automatic selection falls back silently.
+  (``TORCH_LIBRARY_IMPL(mpfused, CPU/CUDA, m)``) when it loads.
+* ``router.route_all`` (at ``import mpfused``) then decides once, per op and dispatch key, what
+  ``torch.ops.mpfused.<op>`` runs: native, else Triton on CUDA (registered as the CUDA kernel),
+  else the reference; ``MPFUSED_BACKEND`` (read then, once) forces one. See ``router.py``.
+* ``op(*args)`` is the dispatcher op: what the optimizers run is what ``opcheck`` checks and what
+  ``torch.compile`` traces. ``op(*args, backend=...)`` (the per-object ``backend=`` of the
+  optimizers, the scaler, ``clip_grad_norm_``) is an explicit test/debug request: it calls that
+  implementation directly (native: only where the router registered it), and raises when it is
+  unavailable.
 """
 from __future__ import annotations
 
@@ -23,24 +27,16 @@ from typing import Callable
 
 import torch
 
-from mpfused import _extension
+from mpfused.ops import router
 
 NAMESPACE = "mpfused"
-BACKENDS = ("native", "triton", "reference")
+BACKENDS = router.BACKENDS
 _LIB = torch.library.Library(NAMESPACE, "DEF")
 OPS: dict[str, "Op"] = {}
 
 
-def requested_backend(backend: str | None = None) -> str:
-    """The backend asked for: the explicit argument, else ``MPFUSED_BACKEND``, else ``auto``."""
-    choice = backend or os.environ.get("MPFUSED_BACKEND", "") or "auto"
-    if choice not in BACKENDS + ("auto",):
-        raise ValueError(f"backend must be one of {BACKENDS + ('auto',)}, got {choice!r}")
-    return choice
-
-
 def triton_usable(device_type: str) -> bool:
-    """Triton runs on CUDA, and on CPU tensors only under TRITON_INTERPRET=1."""
+    """Triton runs on CUDA, and on CPU tensors only under TRITON_INTERPRET=1 (explicit calls)."""
     if device_type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         return False
     if device_type not in ("cpu", "cuda"):
@@ -58,9 +54,10 @@ class Op:
     schema: str
     reference: Callable
     triton_path: str | None = None  # "module:function", imported on first use
+    routes: dict = field(default_factory=dict, repr=False)  # device type -> what torch.ops runs
+    native_keys: dict = field(default_factory=dict, repr=False)  # device type -> extension kernel?
     _overload: object = field(default=None, repr=False)
     _triton_fn: Callable | None = field(default=None, repr=False)
-    _resolved: dict = field(default_factory=dict, repr=False)
 
     @property
     def triton(self) -> Callable | None:
@@ -78,83 +75,59 @@ class Op:
 
     @property
     def overload(self):
-        """``torch.ops.mpfused.<name>.default``: the dispatcher entry (for opcheck/compile)."""
+        """``torch.ops.mpfused.<name>.default``: the dispatcher entry, what ``op(*args)`` calls."""
         if self._overload is None:
             self._overload = getattr(torch.ops.mpfused, self.name).default
         return self._overload
 
-    def native_available(self, device_type: str) -> bool:
-        key = {"cpu": "CPU", "cuda": "CUDA"}.get(device_type)
-        if not key or not torch._C._dispatch_has_kernel_for_dispatch_key(self.qualname, key):
-            return False
-        # a kernel is registered; on CUDA it must also have code for this GPU's architecture
-        return device_type != "cuda" or _extension.cuda_kernels_run_here()
-
-    def available(self, device_type: str) -> list[str]:
-        out = []
-        if self.native_available(device_type):
-            out.append("native")
-        if self.triton_path is not None and triton_usable(device_type):
-            out.append("triton")
-        out.append("reference")
-        return out
-
-    def resolve(self, device_type: str, backend: str | None = None) -> str:
-        choice = requested_backend(backend)
-        avail = self.available(device_type)
-        if choice == "auto":
-            if device_type == "cpu" and "native" not in avail:
-                return "reference"  # the interpreter is a test aid, never an automatic pick
-            return avail[0]
-        if choice not in avail:
-            raise RuntimeError(
-                f"mpfused: backend {choice!r} is not available for op {self.name} on "
-                f"{device_type} (available: {', '.join(avail)})"
-                + (f"; native extension: {_extension.error()}" if choice == "native" else "")
-            )
-        return choice
-
-    def chosen(self, device_type: str, backend: str | None = None) -> str:
-        """``resolve``, cached per (device, request, environment): the optimizers call every
-        step, and resolving costs more than a small kernel."""
-        key = (device_type, backend, os.environ.get("MPFUSED_BACKEND"),
-               os.environ.get("TRITON_INTERPRET"))
-        chosen = self._resolved.get(key)
+    def route(self, device_type: str) -> str:
+        """What ``torch.ops.mpfused.<name>`` runs on ``device_type``: ``native``, ``triton``,
+        ``reference`` or ``unavailable`` (MPFUSED_BACKEND asked for what cannot serve)."""
+        chosen = self.routes.get(device_type)
         if chosen is None:
-            chosen = self._resolved[key] = self.resolve(device_type, backend)
+            if device_type not in router.KEYS:
+                return "reference"  # the CompositeExplicitAutograd fallback
+            if device_type == "cuda" and router._pending_cuda:
+                router.finish_cuda()
+            chosen = self.routes.get(device_type, "reference")
         return chosen
 
+    def native_available(self, device_type: str) -> bool:
+        """The dispatcher runs the extension's kernel for this device."""
+        return self.route(device_type) == "native"
+
+    def available(self, device_type: str) -> list[str]:
+        """The backends an explicit ``backend=`` can call on this device now."""
+        out = ["native"] if self.native_available(device_type) else []
+        if self.triton_path is not None and triton_usable(device_type):
+            out.append("triton")
+        return out + ["reference"]
+
+    def impl(self, backend: str, device_type: str) -> Callable:
+        """The implementation an explicit ``backend=`` calls; raises when it is unavailable."""
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS + ('auto',)}, got {backend!r}")
+        if not (self.native_available(device_type) if backend == "native"
+                else backend in self.available(device_type)):
+            raise RuntimeError(router.unavailable_message(self, device_type, backend,
+                                                          "backend= argument"))
+        return {"native": self.overload, "triton": self.triton,
+                "reference": self.reference}[backend]
+
     def __call__(self, *args, backend: str | None = None):
-        if torch.compiler.is_compiling():
-            return self._traced_call(args, backend)
-        chosen = self.chosen(_first_device_type(args), backend)
-        if chosen == "native":
+        if backend is None or backend == "auto":
             return self.overload(*args)
-        if chosen == "triton":
-            return self.triton(*args)
-        return self.reference(*args)
+        if backend == "native" or not torch.compiler.is_compiling():
+            return self.impl(backend, _first_device_type(args))(*args)
+        return _run_eagerly(self, backend, args)
 
 
-    def _traced_call(self, args, backend: str | None):
-        """Under ``torch.compile``: a native kernel goes into the graph as the dispatcher op (its
-        fake kernel traces it; no graph break, so ``fullgraph=True`` works), and runs as in eager.
-        Triton and the reference run eagerly behind a graph break: traced, their Python would be
-        re-fused by the compiler and round differently from the eager step."""
-        chosen = _chosen_when_traced(self.name, _first_device_type(args), backend)
-        if chosen == "native":
-            return self.overload(*args)
-        return _run_eagerly(self, chosen, args)
-
-
-@torch.compiler.assume_constant_result
-def _chosen_when_traced(name: str, device_type: str, backend: str | None) -> str:
-    # Asked at trace time and baked into the graph (the answer is a registration fact).
-    return OPS[name].chosen(device_type, backend)
-
-
-@torch._dynamo.disable
-def _run_eagerly(op: "Op", chosen: str, args):
-    return (op.triton if chosen == "triton" else op.reference)(*args)
+@torch.compiler.disable
+def _run_eagerly(op: "Op", backend: str, args):
+    """An explicit Triton/reference request under ``torch.compile`` runs eagerly behind a graph
+    break: traced, its Python would be re-fused by the compiler and round differently from the
+    eager step (the dispatcher op, the default, needs no break: it is one opaque node)."""
+    return op.impl(backend, _first_device_type(args))(*args)
 
 
 def _first_device_type(args) -> str:
@@ -170,22 +143,25 @@ def _first_device_type(args) -> str:
 
 def define_op(schema: str, *, reference: Callable, fake: Callable | None = None,
               triton: str | None = None) -> Op:
-    """Declare ``mpfused::<schema>`` once and register its fake kernel and its reference."""
+    """Declare ``mpfused::<schema>`` once and register its fake kernel and its reference; the
+    router (at import) adds the per-device choice."""
     name = schema.split("(", 1)[0]
     _LIB.define(schema)
     qual = f"{NAMESPACE}::{name}"
     in_place = schema.endswith("-> ()")
     if in_place:
         reference = _no_derivative(reference)
+    op = Op(name=name, schema=schema, reference=reference, triton_path=triton)
     torch.library.register_fake(qual, fake or _no_output_fake, lib=_LIB)
-    torch.library.register_kernel(qual, "default", reference, lib=_LIB)
+    torch.library.register_kernel(qual, "default", router.reference_kernel(op), lib=_LIB)
     if in_place:
         # No outputs, so no derivative to record: autograd passes the call straight on. Torch's
         # default autograd fallback would box it (turn every tensor list into an IValue list and
         # back: ~0.5 us per tensor, 5 ms of a call with 10,000 tensors) only to attach nothing.
         _LIB.impl(name, torch.library.fallthrough_kernel, "Autograd")
-    op = Op(name=name, schema=schema, reference=reference, triton_path=triton)
     OPS[name] = op
+    if router.REQUEST is not None:  # defined after import: routed now, as the others were then
+        router.route(op)
     return op
 
 

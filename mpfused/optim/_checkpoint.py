@@ -23,8 +23,10 @@ def _plain_dicts(optimizer, state_dict):
 # the param's device (floating state as fp32, integer state as saved), converting a
 # torch.optim.AdamW state on the way (16-bit moments become fp32, a missing master is taken from
 # the param).
+# master_remainder8: the int8 correction of master_weights="remainder8" (bits 8..15 of the master
+# rounded to 24 bits; the param holds bits 16..31 rounded to nearest), saved as is.
 PER_ELEMENT_KEYS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "master",
-                    "master_remainder")
+                    "master_remainder", "master_remainder8")
 # AdamW8bit (v2) / bitsandbytes (>= 0.49.2 nests its quantized keys under the last one)
 _8BIT_SAVED_KEYS = ("state1", "state2", "absmax1", "absmax2", "__bnb_optimizer_quant_state__")
 
@@ -41,6 +43,8 @@ def _allowed_state_dtypes(optimizer, key):
     """None: any floating dtype (cast to fp32 on load); else the exact dtypes accepted."""
     if key == "master_remainder":
         return (torch.int16,)
+    if key == "master_remainder8":
+        return (torch.int8,)
     if any(key == k for k, _ in optimizer._QUANT_STATES):
         return (torch.uint8, torch.float32, torch.float16, torch.bfloat16)  # codes or 32-bit
     return None
@@ -53,9 +57,42 @@ def _saved_pairs(optimizer, saved_groups):
             yield pid, p, group
 
 
+def _from_bitsandbytes_32bit(optimizer, saved: dict) -> dict | None:
+    """A bitsandbytes 32-bit optimizer's per-param state (state1/state2 floating, nested under
+    __bnb_optimizer_quant_state__ since 0.49.2) with the optimizer's own keys
+    (``_BNB_STATE_KEYS``, bitsandbytes' order); None when it is not one."""
+    inner = saved.get("__bnb_optimizer_quant_state__", saved)
+    if not isinstance(inner, dict) or "state1" not in inner or not optimizer._BNB_STATE_KEYS:
+        return None
+    names = ("state1", "state2")[:len(optimizer._BNB_STATE_KEYS)]
+    values = [inner.get(n) for n in names]
+    if any(k in inner for k in ("absmax1", "absmax2", "qmap1", "qmap2")) or not all(
+            isinstance(v, torch.Tensor) and v.is_floating_point() for v in values):
+        return None  # 8-bit (or not a state this optimizer keeps): refused below
+    out = {k: v for k, v in saved.items() if k != "__bnb_optimizer_quant_state__"
+           and k not in ("state1", "state2")}
+    out.update(zip(optimizer._BNB_STATE_KEYS, values))
+    return out
+
+
 def _stash_fp32_state(optimizer, state_dict):
     saved_groups, saved_state = state_dict["param_groups"], state_dict["state"]
     quantized = bool(optimizer._QUANT_STATES)
+    if not quantized:  # a bitsandbytes 32-bit checkpoint (Adam/AdamW, SGD, Lion) loads as is
+        converted = {pid: _from_bitsandbytes_32bit(optimizer, v) if isinstance(v, dict) else None
+                     for pid, v in saved_state.items()}
+        if any(v is not None for v in converted.values()):
+            saved_state = {pid: converted[pid] if converted[pid] is not None else v
+                           for pid, v in saved_state.items()}
+            # its groups carry bitsandbytes' keys (optim_bits, SGD's momentum in betas, ...)
+            groups = []
+            for sg, group in zip(saved_groups, optimizer.param_groups):
+                sg = optimizer._adopt_saved_group(sg)
+                g = {k: v for k, v in sg.items()
+                     if k in optimizer.defaults or k in ("params", "param_names")}
+                groups.append({**{k: group[k] for k in optimizer.defaults}, **g})
+            saved_groups = groups
+            state_dict = {**state_dict, "state": saved_state, "param_groups": groups}
     for pid, p, _ in _saved_pairs(optimizer, saved_groups):
         local = _local(p)
         saved = saved_state.get(pid, {})

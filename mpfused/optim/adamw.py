@@ -7,6 +7,10 @@ fp16/bf16 parameters keep their fp32 value in ``optimizer.state[p]`` (checkpoint
   master rounded to nearest after every step.
 * ``master_weights="remainder"`` (bf16 only): ``state["master_remainder"]`` int16 low half of
   the fp32 master (2 B/param); exact, but the optimizer must be the only writer of the params.
+* ``master_weights="remainder8"`` (bf16 only): ``state["master_remainder8"]`` int8 correction
+  (1 B/param): bits 8..15 of the master rounded to 24 bits (16 significant bits), the param its
+  top half rounded to nearest; updates below 2^-17..2^-16 of |w| are rounded away (README,
+  "Master modes").
 * ``master_weights="none"``: no master; bf16 params use stochastic rounding, fp16 params round
   to nearest.
 
@@ -29,6 +33,7 @@ __all__ = ["AdamW", "Adam", "MASTER_MODES"]
 
 
 class AdamW(FusedOptimizer):
+    _BNB_STATE_KEYS = ("exp_avg", "exp_avg_sq")  # bitsandbytes 32-bit state1/state2 (engine.py)
     _decoupled = True
     _GROUP_DEFAULTS = {**FusedOptimizer._GROUP_DEFAULTS, "amsgrad": False}
 

@@ -1,10 +1,10 @@
 """The engine every fused mpfused optimizer plugs into: ``FusedOptimizer``.
 
 A subclass says what is particular to its algorithm: its constructor and defaults, the state of a
-new param (``_init_state``), the per-element state keys it keeps (``_STATE_KEYS``), the operand
+new param (``_init_state``), its state keys in bitsandbytes' order (``_BNB_STATE_KEYS``), the operand
 lists and op of a bucket (``_fill_operands``), the scalars of a launch (``_hyper``, ``_launch``)
 and the group options its plans depend on (``_plan_extra``). The engine gives every optimizer the
-rest: master weights of 16-bit params (fp32, int16 remainder, stochastic rounding) and their
+rest: master weights of 16-bit params (fp32, int16 remainder, int8 correction, stochastic rounding) and their
 conversions, the state table whose writes re-plan the next step, buckets and bound operand lists,
 the scaler protocol (``check_grads``, in-kernel unscale and skip-on-inf), fused clipping
 (``max_grad_norm``), ``torch.compile``, pickling and the state_dict hooks that keep fp32 state fp32.
@@ -22,13 +22,13 @@ from mpfused.distributed import all_reduce_, found_inf_groups, reduce_norm_parts
 from mpfused.optim._buckets import GroupPlan, build_buckets
 from mpfused.optim._checkpoint import (PER_ELEMENT_KEYS, _plain_dicts, _restore_fp32_state,
                                       _stash_fp32_state, check_state_shape)
-from mpfused.optim._masters import master_from_remainder, restore_fp32_param, split_master
+from mpfused.optim._masters import MASTER_STATE_KEYS, new_master, restore_fp32_param
 from mpfused.optim._streams import elem_offsets, flat_param_ids
 from mpfused.optim._state_table import epoch as state_epoch, tracked
 
 __all__ = ["FusedOptimizer", "MASTER_MODES"]
 
-MASTER_MODES = {"none": 0, "fp32": 1, "remainder": 2}
+MASTER_MODES = {"none": 0, "fp32": 1, "remainder": 2, "remainder8": 4}
 _STOCHASTIC = 3
 
 
@@ -40,6 +40,9 @@ class FusedOptimizer(Optimizer):
     # Per-element state keys kept as 8-bit codes, with their maps: set by the 8-bit optimizers
     # (optim/state8bit.py); () keeps every state fp32.
     _QUANT_STATES: tuple = ()
+    # Its fp32 state keys in bitsandbytes' state1/state2 order: a bitsandbytes 32-bit
+    # checkpoint of the same optimizer loads (optim/_checkpoint.py).
+    _BNB_STATE_KEYS: tuple = ()
     # Group keys that a state_dict pickled before they existed lacks, with their defaults.
     _GROUP_DEFAULTS: dict = {"maximize": False, "capturable": False, "master_weights": "fp32"}
 
@@ -48,6 +51,10 @@ class FusedOptimizer(Optimizer):
         if master_weights not in MASTER_MODES:
             raise ValueError(f"master_weights must be one of {sorted(MASTER_MODES)}, got "
                              f"{master_weights!r}")
+
+    def _adopt_saved_group(self, sg) -> dict:
+        """A saved group (ours, torch's or bitsandbytes') with this optimizer's key names."""
+        return sg
 
     def _setup_engine(self, max_grad_norm, backend, seed) -> None:
         """The engine's attributes; a subclass's __init__ calls it after ``Optimizer.__init__``."""
@@ -136,12 +143,13 @@ class FusedOptimizer(Optimizer):
                     if not state:
                         continue
                     if p.dtype == torch.float32:  # after model.float(): p is its own master
-                        state.pop("master", None)
-                        state.pop("master_remainder", None)
+                        for key in MASTER_STATE_KEYS.values():
+                            state.pop(key, None)
                     if "master" in state:
                         state["master"].copy_(p)
-                    if "master_remainder" in state:
-                        state["master_remainder"].zero_()  # the master is the bf16 value, exact
+                    for key in ("master_remainder", "master_remainder8"):
+                        if key in state:
+                            state[key].zero_()  # the master is the bf16 value, exact
 
     def _fix_group(self, group) -> None:
         """A subclass's rule for an unpickled or loaded group (e.g. AdamW always decouples)."""
@@ -151,8 +159,8 @@ class FusedOptimizer(Optimizer):
         if p.dtype == torch.float32:
             return MASTER_MODES["none"]
         mode = group["master_weights"]
-        if mode == "remainder" and p.dtype != torch.bfloat16:
-            raise ValueError(f"master_weights='remainder' needs bfloat16 params, got {p.dtype} "
+        if mode in ("remainder", "remainder8") and p.dtype != torch.bfloat16:
+            raise ValueError(f"master_weights={mode!r} needs bfloat16 params, got {p.dtype} "
                              "(fp16 is not the top half of fp32)")
         if mode == "none":
             return _STOCHASTIC if p.dtype == torch.bfloat16 else MASTER_MODES["none"]
@@ -202,26 +210,19 @@ class FusedOptimizer(Optimizer):
         """The state keys the bucket's mode needs, after a change since the state was made (the
         param's dtype changed by ``module.to()``, ``master_weights`` or ``amsgrad`` changed): a
         missing master is converted exactly from the other form (fp32 master <-> bf16 param +
-        remainder) or else taken from the param; an fp32 param (``model.float()``) takes its
-        master's value; a master the mode no longer uses is dropped (kept, a stale one would
-        overwrite the param if the mode came back); then the subclass's own keys
-        (``_sync_extra_state``)."""
+        remainder; to an int8 correction it is rounded to 24 bits) or else taken from the param;
+        an fp32 param (``model.float()``) takes its master's value; a master the mode no longer
+        uses is dropped (kept, a stale one would overwrite the param if the mode came back); then
+        the subclass's own keys (``_sync_extra_state``)."""
         state = self.state[p]
-        if mode == MASTER_MODES["fp32"] and "master" not in state:
-            rem = state.get("master_remainder")
-            state["master"] = (p.detach().float() if rem is None
-                               else master_from_remainder(p, rem))
-        elif mode == MASTER_MODES["remainder"] and "master_remainder" not in state:
-            master = state.get("master")
-            state["master_remainder"] = (
-                torch.zeros_like(p, dtype=torch.int16, memory_format=torch.preserve_format)
-                if master is None else split_master(p, master))
-        elif p.dtype == torch.float32:
+        key = MASTER_STATE_KEYS.get(mode)
+        if key is not None and key not in state:
+            state[key] = new_master(p, state, mode)
+        elif key is None and p.dtype == torch.float32:
             restore_fp32_param(p, state)
-        if mode != MASTER_MODES["fp32"]:
-            state.pop("master", None)
-        if mode != MASTER_MODES["remainder"]:
-            state.pop("master_remainder", None)
+        for other in MASTER_STATE_KEYS.values():
+            if other != key:
+                state.pop(other, None)
         self._sync_extra_state(group, p)
 
     def _fill_bucket(self, group, b) -> None:
@@ -234,9 +235,8 @@ class FusedOptimizer(Optimizer):
         st = [self.state[p] for p in b.params]
         b.state = {
             "steps": [s["step"] for s in st],
-            "masters": ([_local(s["master"]) for s in st] if mode == MASTER_MODES["fp32"] else
-                        [_local(s["master_remainder"]) for s in st]
-                        if mode == MASTER_MODES["remainder"] else []),
+            "masters": ([_local(s[MASTER_STATE_KEYS[mode]]) for s in st]
+                        if mode in MASTER_STATE_KEYS else []),
             "mode": mode,
             "local_params": [_local(p) for p in b.params],
             # stochastic-rounding keys: flat param ids and shard offsets (optim/_streams.py)

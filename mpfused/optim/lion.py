@@ -26,6 +26,7 @@ __all__ = ["Lion"]
 
 
 class Lion(FusedOptimizer):
+    _BNB_STATE_KEYS = ("exp_avg",)  # bitsandbytes 32-bit state1/state2 (engine.py)
     def __init__(self, params, lr: float | Tensor = 1e-4, betas=(0.9, 0.99),
                  weight_decay: float = 0.0, *, maximize: bool = False,
                  master_weights: str = "fp32", max_grad_norm: float | None = None,

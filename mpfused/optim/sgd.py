@@ -1,7 +1,7 @@
 """``mpfused.SGD``: a drop-in for ``torch.optim.SGD`` (momentum, dampening, Nesterov, L2 weight
 decay, maximize, float or tensor lr) that trains fp32, fp16 or bf16 parameters with one fused
 multi-tensor kernel per (device, dtype), with the engine's master weights (``master_weights=``
-"fp32" / "remainder" / "none"), GradScaler protocol and fused clipping (``max_grad_norm=``).
+"fp32" / "remainder" / "remainder8" / "none"), GradScaler protocol and fused clipping (``max_grad_norm=``).
 
 State per param: ``momentum_buffer`` (fp32, only when momentum != 0, as torch), ``step`` (a 0-d
 fp32 counter torch's SGD does not keep: it makes the first step, whose buffer is the gradient
@@ -29,6 +29,7 @@ __all__ = ["SGD"]
 
 
 class SGD(FusedOptimizer):
+    _BNB_STATE_KEYS = ("momentum_buffer",)  # bitsandbytes 32-bit state1/state2 (engine.py)
     _GROUP_DEFAULTS = {**FusedOptimizer._GROUP_DEFAULTS, "nesterov": False, "foreach": None,
                        "differentiable": False, "fused": None}
 
@@ -91,6 +92,14 @@ class SGD(FusedOptimizer):
         s["step_"] = BoundOp(sgd_ops.sgd_step_, [s["local_params"], s["momentum_buffers"],
                                                  s["masters"], s["steps"]],
                              s["param_ids"], s["elem_offsets"])
+
+    def _adopt_saved_group(self, sg) -> dict:
+        if "momentum" in sg or "betas" not in sg:
+            return sg
+        # bitsandbytes' SGD / SGD8bit group: betas = (momentum, dampening), but it steps without
+        # dampening whatever betas[1] says; the loaded run continues as it trained
+        return {**{k: v for k, v in sg.items() if k != "betas"},
+                "momentum": float(sg["betas"][0]), "dampening": 0.0}
 
     # ---- step -------------------------------------------------------------------------------
     def _hyper(self, group, device) -> tuple:

@@ -69,10 +69,3 @@ class SGD8bit(State8bit, SGD):
         return {"betas": (float(group["momentum"]), 0.0), "eps": 0.0,
                 "weight_decay": float(group["weight_decay"])}
 
-    def _adopt_saved_group(self, sg) -> dict:
-        if "momentum" in sg or "betas" not in sg:
-            return sg
-        # bitsandbytes' SGD8bit group: betas = (momentum, dampening), but it steps without
-        # dampening whatever betas[1] says; the loaded run continues as it trained
-        return {**{k: v for k, v in sg.items() if k != "betas"},
-                "momentum": float(sg["betas"][0]), "dampening": 0.0}

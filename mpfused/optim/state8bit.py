@@ -5,7 +5,7 @@ SGD)``, ``Lion8bit(State8bit, Lion)``); the 8-bit class says only which state ke
 which map (``_QUANT_STATES``, bitsandbytes' order), its 8-bit op and the flags that op takes
 after the scalars (``_OP_8BIT``, ``_flags_8bit``), its group rules (``_check_group_rules``) and
 how its groups read in torch's and bitsandbytes' state_dicts (``_TORCH_GROUP_KEYS``,
-``_torch_group``, ``_bnb_group``, ``_adopt_saved_group``).
+``_torch_group``, ``_bnb_group``; the engine's ``_adopt_saved_group``).
 
 Encoding (csrc/include/mpfused/quant8_math.h, mpfused/quant_maps.py)
 --------------------------------------------------------------------
@@ -187,10 +187,6 @@ class State8bit:
     def _bnb_group(self, gi, group) -> dict:
         """bitsandbytes' group keys but lr and params; ValueError for a setting it lacks."""
         raise NotImplementedError
-
-    def _adopt_saved_group(self, sg) -> dict:
-        """A saved group (ours, torch's or bitsandbytes') with this optimizer's key names."""
-        return sg
 
     # ---- which params are 8-bit --------------------------------------------------------------
     def _wants_8bit(self, group, p, kept: set[int]) -> bool:

@@ -5,7 +5,7 @@ import math
 
 import torch
 
-MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC = 0, 1, 2, 3
+MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC, MASTER_REMAINDER8 = 0, 1, 2, 3, 4
 _M64 = (1 << 64) - 1
 
 
@@ -72,6 +72,34 @@ def remainder_join(p: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
     return (bits - (bits >= 0x80000000).to(torch.int64) * (1 << 32)).to(torch.int32).view(torch.float32)
 
 
+def round_to_24_bits(w32: torch.Tensor) -> torch.Tensor:
+    """adam_math.h::round_to_24_bits: the fp32 word rounded to its top 24 bits (to nearest, ties
+    to even; overflow to inf; NaN -> 0x7FC00000), as int64 bit patterns."""
+    bits = w32.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    r = (bits + 0x7F + ((bits >> 8) & 1)) & 0xFFFFFF00
+    return torch.where((bits & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, r)
+
+
+def remainder8_split(w32: torch.Tensor):
+    """fp32 -> (bf16 param, int8 correction) of the 24-bit master (MASTER_REMAINDER8): the
+    correction is bits 8..15 of w rounded to 24 bits, the param bits 16..31 rounded to nearest,
+    ties away from zero."""
+    bits = round_to_24_bits(w32)
+    lo = (bits >> 8) & 0xFF
+    hi = ((bits >> 16) + (lo >= 0x80).to(torch.int64)) & 0xFFFF
+    p = (hi - (hi >= 0x8000).to(torch.int64) * 0x10000).to(torch.int16).view(torch.bfloat16)
+    rem = (lo - (lo >= 0x80).to(torch.int64) * 0x100).to(torch.int8)
+    return p, rem
+
+
+def remainder8_join(p: torch.Tensor, rem: torch.Tensor) -> torch.Tensor:
+    """The 24-bit master that bf16 param p and its int8 correction hold, as fp32."""
+    hi = p.view(torch.int16).to(torch.int64) & 0xFFFF
+    hi = (hi - (rem < 0).to(torch.int64)) & 0xFFFF
+    bits = (hi << 16) | ((rem.to(torch.int64) & 0xFF) << 8)
+    return (bits - (bits >= 0x80000000).to(torch.int64) * (1 << 32)).to(torch.int32).view(torch.float32)
+
+
 def bf16_stochastic(w32: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
     bits = w32.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     hi = ((bits + r16) >> 16) & 0xFFFF
@@ -80,8 +108,9 @@ def bf16_stochastic(w32: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_mode(p: torch.Tensor, master_mode: int) -> int:
-    """The master mode a kernel applies to p: remainder and stochastic rounding exist for bf16
-    only, an fp32 master for fp16/bf16, nothing for fp32 params (the kernels' dispatch)."""
+    """The master mode a kernel applies to p: remainders (int16, int8) and stochastic rounding
+    exist for bf16 only, an fp32 master for fp16/bf16, nothing for fp32 params (the kernels'
+    dispatch, adam_math.h's effective_master_mode)."""
     if p.dtype == torch.bfloat16:
         return master_mode
     if p.dtype == torch.float16 and master_mode == MASTER_FP32:
@@ -95,6 +124,8 @@ def read_master(p, master, mode) -> torch.Tensor:
         return master.double()
     if mode == MASTER_REMAINDER:
         return remainder_join(p, master).double()
+    if mode == MASTER_REMAINDER8:
+        return remainder8_join(p, master).double()
     return p.double()
 
 
@@ -105,6 +136,10 @@ def write_master(p, master, mode, w32, seed, t, stream) -> None:
         p.copy_(w32)
     elif mode == MASTER_REMAINDER:
         hi, rem = remainder_split(w32.contiguous())
+        p.copy_(hi)
+        master.copy_(rem)
+    elif mode == MASTER_REMAINDER8:
+        hi, rem = remainder8_split(w32.contiguous())
         p.copy_(hi)
         master.copy_(rem)
     elif mode == MASTER_STOCHASTIC:
@@ -153,7 +188,7 @@ def param_updates(params, grads, masters, steps, lr, lr_tensor, weight_decay, ma
         if p.numel() == 0:
             continue
         mode = kernel_mode(p, master_mode)
-        master = masters[i] if mode in (MASTER_FP32, MASTER_REMAINDER) else None
+        master = masters[i] if mode in (MASTER_FP32, MASTER_REMAINDER, MASTER_REMAINDER8) else None
         w = read_master(p, master, mode)
         g = grads[i].double() * mult
         if decoupled:

@@ -94,6 +94,7 @@ void run_case(const Case& k, const Maps& maps, uint64_t seed) {
         std::memcpy(static_cast<float*>(t.master.ptr()) + j, &m, 4);
       }
       if (remainder) static_cast<int16_t*>(t.master.ptr())[j] = int16_t(byte(rng) * 256 + byte(rng));
+      if (mb == 1) static_cast<int8_t*>(t.master.ptr())[j] = int8_t(byte(rng));
     }
     for (int64_t j = 0; j < nb; ++j) {
       static_cast<float*>(t.a1.ptr())[j] = k.zero_state ? 0.f : unif(rng) * 10.f;
@@ -282,7 +283,7 @@ int main(int argc, char** argv) {
   std::fclose(f);
   const std::vector<int64_t> sizes = {1, 3, 64, 65, 255, 0, 4095, 4096, 4097, 8192 + 77, 13, 2048 + 4};
   std::vector<Case> cases;
-  for (int mode : {kNoMaster, kFp32Master, kRemainder, kStochastic})
+  for (int mode : {kNoMaster, kFp32Master, kRemainder, kStochastic, kRemainder8})
     for (int block : {64, 128, 256, 1024, 4096}) {
       Case c{"modes x blocks", sizes, mode, block};
       c.misalign = block == 256 || block == 64;

@@ -232,6 +232,7 @@ void run_adam(const AdamCase& k, uint64_t seed) {
       if (k.amsgrad) t.vmax.as<float>()[j] = t.v.as<float>()[j] * (j % 2 ? 2.f : 0.5f);
       if (fp32_master) t.master.as<float>()[j] = w + normal(rng) * 1e-4f;
       if (remainder) t.master.as<int16_t>()[j] = int16_t(byte(rng) * 256 + byte(rng));
+      if (mb == 1) t.master.as<int8_t>()[j] = int8_t(byte(rng));
     }
     t.step = float((3 * i) % 7);
   }
@@ -362,7 +363,7 @@ int main(int argc, char** argv) {
   cases += run_increment_steps();
 
   std::vector<AdamCase> adam;
-  for (int mode : {kNoMaster, kFp32Master, kRemainder, kStochastic})
+  for (int mode : {kNoMaster, kFp32Master, kRemainder, kStochastic, kRemainder8})
     for (int ams = 0; ams < 2; ++ams) {
       AdamCase c{"adam_step", standard_sizes(), mode};
       c.amsgrad = ams == 1;

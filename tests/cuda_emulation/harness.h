@@ -160,6 +160,7 @@ inline auto one_operand_misaligned(bool on, int64_t tensor, int operands) {
 inline size_t master_bytes(int mode, int dtype) {
   if (mode == mpfused::kFp32Master && dtype != mpfused::kFloat32) return 4;
   if (mode == mpfused::kRemainder && dtype == mpfused::kBFloat16) return 2;
+  if (mode == mpfused::kRemainder8 && dtype == mpfused::kBFloat16) return 1;
   return 0;
 }
 

@@ -119,16 +119,7 @@ constexpr const char* kExpected = "the per-element loop (no cpu::sgd_step / lion
 // storage type and master mode of a tensor.
 template <typename F>
 void dispatch(int dtype, int mode, F&& f) {
-  using NoM = std::integral_constant<int, kNoMaster>;
-  using Fp32 = std::integral_constant<int, kFp32Master>;
-  if (dtype == kFloat32) return f(float{}, NoM{});
-  if (dtype == kFloat16) return mode == kFp32Master ? f(f16_t{}, Fp32{}) : f(f16_t{}, NoM{});
-  switch (mode) {
-    case kFp32Master: return f(bf16_t{}, Fp32{});
-    case kRemainder: return f(bf16_t{}, std::integral_constant<int, kRemainder>{});
-    case kStochastic: return f(bf16_t{}, std::integral_constant<int, kStochastic>{});
-    default: return f(bf16_t{}, NoM{});
-  }
+  dispatch_master_mode(dtype, mode, f);
 }
 
 // The expected step of one tensor (the CPU kernels' loop).
@@ -139,13 +130,12 @@ void expect_tensor(Tensor& t, const Case& k, double lr, float gm, uint64_t strea
   T* p = t.p.as<T>();
   const T* g = t.g.as<T>();
   float* st = t.state.as<float>();
-  float* master = MODE == kFp32Master ? t.master.as<float>() : nullptr;
-  int16_t* rem = MODE == kRemainder ? t.master.as<int16_t>() : nullptr;
+  master_t<MODE>* mst = master_operand<MODE>(t.master.ptr(), 0);
   const LionScalars ls = lion_scalars(lr, kLionBeta1, kLionBeta2, k.weight_decay, k.maximize, gm);
   const SgdScalars ss =
       sgd_scalars(lr, k.momentum, k.dampening, k.weight_decay, k.maximize, gm, step);
   for (int64_t i = 0; i < t.n; ++i) {
-    float w = load_weight<T, MODE>(p, master, rem, i);
+    float w = load_weight<T, MODE>(p, mst, i);
     float none = 0.f;
     float& s = st ? st[i] : none;
     const float gi = to_f32(g[i]);
@@ -153,7 +143,7 @@ void expect_tensor(Tensor& t, const Case& k, double lr, float gm, uint64_t strea
     else if (k.momentum == 0.0) sgd_element<false, false>(w, gi, s, ss);
     else if (k.nesterov) sgd_element<true, true>(w, gi, s, ss);
     else sgd_element<true, false>(w, gi, s, ss);
-    store_weight<T, MODE>(w, p, master, rem, i, seed, stream, i);
+    store_weight<T, MODE>(w, p, mst, i, seed, stream, i);
   }
 }
 
@@ -195,6 +185,7 @@ void run_case(const Case& k, uint64_t seed) {
       if (state) t.state.as<float>()[j] = m;
       if (mb == 4) t.master.as<float>()[j] = w + normal(rng) * 1e-4f;
       if (mb == 2) t.master.as<int16_t>()[j] = int16_t(byte(rng) * 256 + byte(rng));
+      if (mb == 1) t.master.as<int8_t>()[j] = int8_t(byte(rng));
     }
     t.step = k.first ? 0.f : float((3 * i) % 7);  // mixes first (0) and later steps
   }
@@ -279,7 +270,7 @@ void run_case(const Case& k, uint64_t seed) {
 
 std::vector<Case> cases() {
   std::vector<Case> v;
-  const int modes[] = {kNoMaster, kFp32Master, kRemainder, kStochastic};
+  const int modes[] = {kNoMaster, kFp32Master, kRemainder, kStochastic, kRemainder8};
   // SGD: 4 variants x 4 master modes, the options spread over them.
   for (int mode : modes)
     for (int var = 0; var < 4; ++var) {

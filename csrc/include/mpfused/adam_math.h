@@ -1,6 +1,8 @@
 // Adam/AdamW per-element math shared by every native backend, and the ways a 16-bit parameter
 // keeps (or does not keep) its fp32 value between steps (MasterMode).
 #pragma once
+#include <type_traits>
+
 #include "mpfused/dtype.h"
 
 namespace mpfused {
@@ -11,7 +13,51 @@ enum MasterMode : int32_t {
   kFp32Master = 1,  // 16-bit params + fp32 master (4 B/param); param = master rounded to nearest
   kRemainder = 2,   // bf16 params + int16 low half of the fp32 master (2 B/param), exact
   kStochastic = 3,  // bf16 params, no master, stochastic rounding of each update
+  kRemainder8 = 4,  // bf16 params + int8 correction (1 B/param): a 24-bit master, rounded
 };
+
+// The per-element masters operand of each mode (MasterStore<MODE>::type) and whether the mode
+// reads one (kStored; else its pointer is null and never read). A kernel written against this
+// trait, load_weight / store_weight and dispatch_master_mode gets every mode.
+template <int MODE> struct MasterStore { using type = float; static constexpr bool kStored = false; };
+template <> struct MasterStore<kFp32Master> { using type = float; static constexpr bool kStored = true; };
+template <> struct MasterStore<kRemainder> { using type = int16_t; static constexpr bool kStored = true; };
+template <> struct MasterStore<kRemainder8> { using type = int8_t; static constexpr bool kStored = true; };
+template <int MODE> using master_t = typename MasterStore<MODE>::type;
+
+// The masters operand of a chunk starting at `begin` (null for a mode without one).
+template <int MODE>
+MPF_HD master_t<MODE>* master_operand(void* op, int64_t begin) {
+  if constexpr (MasterStore<MODE>::kStored) return static_cast<master_t<MODE>*>(op) + begin;
+  else return nullptr;
+}
+
+// The master modes each dtype has (every backend's rule): fp32 params are their own master, fp16
+// has an fp32 master or none (fp16 is not the top half of an fp32 word), bf16 every mode.
+template <typename T>
+constexpr int effective_master_mode(int mode) {
+  if (std::is_same<T, float>::value) return kNoMaster;
+  if (std::is_same<T, f16_t>::value) return mode == kFp32Master ? kFp32Master : kNoMaster;
+  return mode == kFp32Master || mode == kRemainder || mode == kStochastic || mode == kRemainder8
+             ? mode : kNoMaster;
+}
+
+// Host dispatch of a tensor's kernel: f(T{}, std::integral_constant<int, MODE>{}) with the
+// storage type of `dtype` and the effective master mode of the requested `mode`.
+template <typename F>
+decltype(auto) dispatch_master_mode(int32_t dtype, int mode, F&& f) {
+  using NoM = std::integral_constant<int, kNoMaster>;
+  using Fp32 = std::integral_constant<int, kFp32Master>;
+  if (dtype == kFloat32) return f(float{}, NoM{});
+  if (dtype == kFloat16) return mode == kFp32Master ? f(f16_t{}, Fp32{}) : f(f16_t{}, NoM{});
+  switch (mode) {
+    case kFp32Master: return f(bf16_t{}, Fp32{});
+    case kRemainder: return f(bf16_t{}, std::integral_constant<int, kRemainder>{});
+    case kStochastic: return f(bf16_t{}, std::integral_constant<int, kStochastic>{});
+    case kRemainder8: return f(bf16_t{}, std::integral_constant<int, kRemainder8>{});
+    default: return f(bf16_t{}, NoM{});
+  }
+}
 
 // Scalars of one tensor's update, computed once per tensor (host or device). Every constant that
 // torch derives from its double hyperparameters is derived here in double and rounded to fp32
@@ -110,35 +156,74 @@ MPF_HD uint16_t bf16_bits_stochastic(float w, uint32_t r16) {
   return uint16_t((u + r16) >> 16);
 }
 
-// The fp32 value w of element i of a parameter, and its store back, per master mode: what every
-// Adam kernel does around adam_element (p: the param, master: fp32 masters, rem: remainders).
+// One-byte master correction (kRemainder8). The master is the fp32 word rounded to its top 24
+// bits (sign, exponent, 15 of 23 mantissa bits: 16 significant bits), to nearest, ties to even;
+// overflow rounds to inf, a NaN becomes the canonical quiet NaN 0x7FC00000. It is split as the
+// int16 remainder: the int8 correction is bits 8..15 of that word, the bf16 param bits 16..31
+// rounded to nearest, ties away from zero (a negative correction, bit 15 set, rounds up), so
+// join(split(w)) is w rounded to 24 bits, bit for bit.
+MPF_HD uint32_t round_to_24_bits(float w) {
+  const uint32_t u = f32_bits(w);
+  const uint32_t r = (u + 0x7Fu + ((u >> 8) & 1u)) & 0xFFFFFF00u;
+  return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : r;
+}
+
+MPF_HD float remainder8_join(uint16_t p_bits, int8_t rem) {
+  const uint32_t hi = rem < 0 ? uint32_t(uint16_t(p_bits - 1)) : uint32_t(p_bits);
+  return bits_f32((hi << 16) | (uint32_t(uint8_t(rem)) << 8));
+}
+
+MPF_HD void remainder8_split(float w, uint16_t& p_bits, int8_t& rem) {
+  const uint32_t u = round_to_24_bits(w);
+  rem = int8_t(uint8_t(u >> 8));
+  p_bits = uint16_t((u >> 16) + (rem < 0 ? 1u : 0u));
+}
+
+// The fp32 value w of a param element p with its master m (MasterStore<MODE>), and its store
+// back, per master mode: what every kernel does around its per-element update. T is the
+// effective storage type (effective_master_mode: bf16 for the remainder and stochastic modes).
 template <typename T, int MODE>
-MPF_HD float load_weight(const T* p, const float* master, const int16_t* rem, int64_t i) {
-  if constexpr (MODE == kFp32Master) return master[i];
-  else if constexpr (MODE == kRemainder)
-    return remainder_join(reinterpret_cast<const uint16_t*>(p)[i], rem[i]);
-  else return to_f32(p[i]);
+MPF_HD float load_weight(T p, master_t<MODE> m) {
+  if constexpr (MODE == kFp32Master) return m;
+  else if constexpr (MODE == kRemainder) return remainder_join(p.bits, m);
+  else if constexpr (MODE == kRemainder8) return remainder8_join(p.bits, m);
+  else return to_f32(p);
 }
 
 // `index` is the element's logical position in its tensor, `stream` the tensor's sr_stream: the
 // stochastic-rounding stream.
 template <typename T, int MODE>
-MPF_HD void store_weight(float w, T* p, float* master, int16_t* rem, int64_t i, uint64_t seed,
-                         uint64_t stream, int64_t index) {
+MPF_HD void store_weight(float w, T& p, master_t<MODE>& m, uint64_t seed, uint64_t stream,
+                         int64_t index) {
   if constexpr (MODE == kFp32Master) {
-    master[i] = w;
-    p[i] = from_f32<T>(w);
+    m = w;
+    p = from_f32<T>(w);
   } else if constexpr (MODE == kRemainder) {
-    uint16_t hi;
-    int16_t lo;
-    remainder_split(w, hi, lo);
-    reinterpret_cast<uint16_t*>(p)[i] = hi;
-    rem[i] = lo;
+    remainder_split(w, p.bits, m);
+  } else if constexpr (MODE == kRemainder8) {
+    remainder8_split(w, p.bits, m);
   } else if constexpr (MODE == kStochastic) {
-    reinterpret_cast<uint16_t*>(p)[i] =
-        bf16_bits_stochastic(w, random16(seed, stream, uint64_t(index)));
+    p.bits = bf16_bits_stochastic(w, random16(seed, stream, uint64_t(index)));
   } else {
-    p[i] = from_f32<T>(w);
+    p = from_f32<T>(w);
+  }
+}
+
+// The same on arrays: element i of param p and masters `mst` (null for a mode without masters).
+template <typename T, int MODE>
+MPF_HD float load_weight(const T* p, const master_t<MODE>* mst, int64_t i) {
+  if constexpr (MasterStore<MODE>::kStored) return load_weight<T, MODE>(p[i], mst[i]);
+  else return load_weight<T, MODE>(p[i], master_t<MODE>{});
+}
+
+template <typename T, int MODE>
+MPF_HD void store_weight(float w, T* p, master_t<MODE>* mst, int64_t i, uint64_t seed,
+                         uint64_t stream, int64_t index) {
+  if constexpr (MasterStore<MODE>::kStored) {
+    store_weight<T, MODE>(w, p[i], mst[i], seed, stream, index);
+  } else {
+    master_t<MODE> unused{};
+    store_weight<T, MODE>(w, p[i], unused, seed, stream, index);
   }
 }
 
