@@ -56,6 +56,8 @@ CASES = {
     "4bit-fp32": (mpfused.AdamW4bit, torch.float32, {"min_8bit_size": 256, "block_size": 64}),
     "4bit-bf16-remainder": (mpfused.AdamW4bit, torch.bfloat16,
                             {"min_8bit_size": 256, "master_weights": "remainder"}),
+    "4bit-bf16-remainder8": (mpfused.AdamW4bit, torch.bfloat16,
+                             {"min_8bit_size": 256, "master_weights": "remainder8"}),
     "4bit-fp16-stochastic-clip": (mpfused.Adam4bit, torch.float16,
                                   {"min_8bit_size": 256, "max_grad_norm": 0.05,
                                    "weight_decay": 0.1}),
