@@ -9,7 +9,8 @@ tensors (``state["exp_avg"].zero_()``) need nothing: the kernels use those very 
 
 One counter for every optimizer (not one per table): writes happen when plans are made, at loads
 and in user code, never in a steady-state step, so another optimizer's write costs at most one
-re-plan; and unpickling (which sets dict items before any instance attribute) needs no attribute.
+re-plan (a re-plan that changes nothing writes nothing: two optimizers never re-plan each other
+in turn); and unpickling (which sets dict items before any instance attribute) needs no attribute.
 
 A plain dict assigned as a param's state (``opt.state[p] = {...}``) is adopted as a tracked copy:
 later writes through ``opt.state[p]`` are seen, writes through the caller's own reference to the
@@ -47,9 +48,12 @@ class _CountsWrites:
         _bump()
         super().__delitem__(key)
 
-    def pop(self, *args):
-        _bump()
-        return super().pop(*args)
+    def pop(self, key, *default):
+        # popping an absent key (the engine drops every master key a mode does not use, at every
+        # re-plan) changes nothing: a bump here made two optimizers re-plan each other forever
+        if key in self:
+            _bump()
+        return super().pop(key, *default)
 
     def popitem(self):
         _bump()
@@ -77,7 +81,8 @@ class ParamState(_CountsWrites, dict):
         dict.update(self, *args, **kwargs)
 
     def setdefault(self, key, default=None):
-        _bump()
+        if key not in self:
+            _bump()
         return dict.setdefault(self, key, default)
 
     def __reduce__(self):
@@ -118,7 +123,8 @@ class StateTable(_CountsWrites, defaultdict):
             dict.__setitem__(self, key, _adopt(value))
 
     def setdefault(self, key, default=None):
-        _bump()
+        if key not in self:
+            _bump()
         return dict.setdefault(self, key, _adopt(default))
 
     def __reduce__(self):
