@@ -142,6 +142,16 @@ def build_mpfused_4bit(base_model, device, dtype, hp):
                           block_size=128, min_8bit_size=4096, master_weights="fp32")
 
 
+def build_mpfused_4bit_remainder8_release(base_model, device, dtype, hp):
+    """The record tier: bf16 weights + int8 correction + 4-bit moments, step in the backward."""
+    if hp.optimizer != "adamw":
+        raise RecipeUnavailable(f"4-bit state exists for AdamW only (not {hp.optimizer})")
+    if dtype != torch.bfloat16:
+        raise RecipeUnavailable("the int8 master correction needs bf16 weights")
+    return _build_mpfused(base_model, device, dtype, hp, "AdamW4bit", release=True,
+                          block_size=128, min_8bit_size=4096, master_weights="remainder8")
+
+
 def build_mpfused_release(base_model, device, dtype, hp):
     return _build_mpfused(base_model, device, dtype, hp, _family(hp).mpfused, release=True,
                           master_weights="fp32")
@@ -236,6 +246,10 @@ RECIPES = {r.name: r for r in [
     Recipe("mpfused-8bit-remainder8-release",
            "bf16 weights + mpfused.AdamW8bit (int8 correction), step in backward",
            build_mpfused_8bit_remainder8_release),
+    # The record tier: 2 (bf16) + 1 (int8 correction) + ~1.06 (4-bit m, v) B/param, no grads.
+    Recipe("mpfused-4bit-remainder8-release",
+           "bf16 weights + mpfused.AdamW4bit (int8 correction), step in backward",
+           build_mpfused_4bit_remainder8_release),
 ]}
 
 DEFAULT_RECIPES = ["native", "mpfused", "mpfused-8bit", "bnb", "torchao"]
