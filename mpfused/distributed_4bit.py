@@ -25,7 +25,7 @@ rank issues the same collectives):
   its chunk of the global bytes: FSDP2 with evenly split, block-multiple shards): views of the
   live tensors, exact, no collective.
 * ``_aligned`` only (blocks coincide, byte chunks do not, e.g. uneven row splits): absmax as
-  views, codes moved between ranks (an all-gather of the codes, one byte per element): exact.
+  views, codes moved between ranks: exact.
 * otherwise the 8-bit re-blocking: each rank decodes its shard, every global block's absmax is
   MAX-all-reduced over the mesh and each rank re-encodes its elements with it; a load into a
   layout whose blocks are not the checkpoint's re-quantizes per local shard. The absmax of a
@@ -35,6 +35,11 @@ rank issues the same collectives):
   signed map's most negative entry is -0.8875, so the max of the decoded values would scale it
   by 0.8875 at every re-blocking). Blocks that really change get the nearest codes of the new
   block: not bit-exact, as 8-bit.
+Moving codes: with dim-0 shards (one mesh dim, plain Shard(0): FSDP2, HSDP) every rank's elements
+and every byte chunk are contiguous runs, so each rank sends its neighbours only the codes of
+their byte chunk / element run that it holds (point to point, one byte per element, about a
+shard's worth in all); other layouts (Shard(1), several sharded dims) all-gather the param's
+codes (one byte per element on every rank, one param at a time).
 """
 from __future__ import annotations
 
@@ -43,7 +48,7 @@ import torch
 from mpfused.distributed import all_reduce_, is_dtensor, mesh_groups
 from mpfused.distributed import local as _local
 from mpfused.distributed_8bit import (_absmax_placements, _aligned, _global_block_index,
-                                      _like_param, _local_range)
+                                      _like_param, _local_range, _plain_shard)
 from mpfused.quant4 import pack4, unpack4
 from mpfused.quant_maps import encode, inv_scale, num_blocks
 
@@ -78,14 +83,97 @@ def _bound_absmax(scale: torch.Tensor, idx: torch.Tensor, blocks: int) -> torch.
     return out.scatter_reduce_(0, idx, scale, "amax")
 
 
-def _byte_chunk(whole_codes: torch.Tensor, p) -> torch.Tensor:
-    """This rank's chunk of the packed global bytes, from the whole param's codes per element."""
+def _dim0_shards(p):
+    """(process group, this rank's index in it, every index's element range [e0, e1)) when p is
+    sharded over one mesh dim with plain Shard(0) (FSDP2, HSDP): each rank's elements are one
+    contiguous run of the row-major param. None for other layouts."""
+    dims = [d for d, pl in enumerate(p.placements) if not pl.is_replicate()]
+    if len(dims) != 1 or not _plain_shard(p.placements[dims[0]]) or p.placements[dims[0]].dim:
+        return None
+    mesh, parts, rows = p.device_mesh, p.device_mesh.size(dims[0]), p.shape[0]
+    inner = p.numel() // rows if rows else 0
+    ranges = [tuple(r * inner for r in _local_range(rows, parts, i)) for i in range(parts)]
+    return mesh.get_group(dims[0]), mesh.get_local_rank(dims[0]), ranges
+
+
+def _byte_elements(numel: int, parts: int) -> list:
+    """Every index's elements [2 * b0, 2 * b1) of its Shard(0) chunk [b0, b1) of the bytes."""
+    nbytes = (numel + 1) // 2
+    return [(min(2 * b0, numel), min(2 * b1, numel))
+            for b0, b1 in (_local_range(nbytes, parts, i) for i in range(parts))]
+
+
+def _move(src: torch.Tensor, have: list, want: list, me: int, group) -> torch.Tensor:
+    """Index ``me`` of ``group`` holds ``src``, the items have[me] of a 1-D array split over the
+    group; returns the items want[me]. Point to point: every pair of ranks exchanges the overlap
+    of one's range with the other's (one message each way at most; all ranks call it)."""
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(group)
+    (h0, h1), (w0, w1) = have[me], want[me]
+    out = src.new_empty(w1 - w0)
+    reqs, recvs = [], []
+    for j, rank in enumerate(ranks):
+        lo, hi = max(have[j][0], w0), min(have[j][1], w1)  # j's items that I want
+        if lo < hi and j == me:
+            out[lo - w0:hi - w0] = src[lo - h0:hi - h0]
+        elif lo < hi:
+            buf = src.new_empty(hi - lo)
+            reqs.append(dist.irecv(buf, src=rank, group=group))
+            recvs.append((lo - w0, buf))
+        lo, hi = max(h0, want[j][0]), min(h1, want[j][1])  # my items that j wants
+        if lo < hi and j != me:
+            reqs.append(dist.isend(src[lo - h0:hi - h0].contiguous(), dst=rank, group=group))
+    for req in reqs:
+        req.wait()
+    for at, buf in recvs:
+        out[at:at + buf.numel()] = buf
+    return out
+
+
+def _codes_to_bytes(p, elems: torch.Tensor) -> torch.Tensor:
+    """This rank's Shard(0) chunk of the packed global bytes, from its local elements' codes
+    (uint8, one per element). Dim-0 shards: the elements of its byte chunk moved point to point
+    (a split byte's other nibble comes from the neighbour); other layouts: all-gathered."""
+    shards = _dim0_shards(p)
+    if shards is None:
+        return _gather_to_bytes(p, elems)
+    group, me, ranges = shards
+    return pack4(_move(elems, ranges, _byte_elements(p.numel(), len(ranges)), me, group))
+
+
+def _gather_to_bytes(p, elems: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    packed = pack4(whole_codes)
+    packed = pack4(_like_param(elems.view(_local(p).shape), p).full_tensor())
     shape, offset = compute_local_shape_and_global_offset(
         packed.shape, p.device_mesh, _absmax_placements(p))
     return packed[offset[0]:offset[0] + shape[0]].clone()
+
+
+def _bytes_to_codes(p, codes) -> torch.Tensor:
+    """int64 codes of p's local elements from the loaded global bytes (a DTensor on p's mesh or
+    the whole plain tensor): point to point for dim-0 shards, else all-gathered."""
+    shards = _dim0_shards(p)
+    want = _absmax_placements(p)
+    if shards is None or not is_dtensor(codes) or codes.device_mesh != p.device_mesh:
+        return _gather_from_bytes(p, codes)
+    if tuple(codes.placements) != want:
+        codes = codes.redistribute(p.device_mesh, want)
+    group, me, ranges = shards
+    have = _byte_elements(p.numel(), len(ranges))
+    elems = unpack4(codes.to_local(), have[me][1] - have[me][0]).to(torch.uint8)
+    return _move(elems, have, ranges, me, group).long()
+
+
+def _gather_from_bytes(p, codes) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    whole = codes.full_tensor() if is_dtensor(codes) else codes
+    whole = unpack4(whole.reshape(-1), p.numel()).to(torch.uint8).view(p.shape)
+    mesh = p.device_mesh
+    rep = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
+    return rep.redistribute(mesh, p.placements).to_local().reshape(-1).long()
 
 
 def to_global4(p, codes, absmax, qmap, block):
@@ -116,20 +204,7 @@ def to_global4(p, codes, absmax, qmap, block):
         elems = _reencode(values, full[idx], qmap)
         gabs = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False,
                                   shape=(nb,), stride=(1,)).redistribute(mesh, placements)
-    whole = _like_param(elems.to(torch.uint8).view(local.shape), p).full_tensor()
-    return wrap(_byte_chunk(whole, p), (nbytes,)), gabs
-
-
-def _local_codes(p, codes) -> torch.Tensor:
-    """int64 codes of p's local elements from the global packed bytes (a DTensor of any
-    placements on p's mesh, or the whole plain tensor)."""
-    from torch.distributed.tensor import DTensor, Replicate
-
-    whole = codes.full_tensor() if is_dtensor(codes) else codes
-    whole = unpack4(whole.reshape(-1), p.numel()).to(torch.uint8).view(p.shape)
-    mesh = p.device_mesh
-    rep = DTensor.from_local(whole, mesh, [Replicate()] * mesh.ndim, run_check=False)
-    return rep.redistribute(mesh, p.placements).to_local().reshape(-1).long()
+    return wrap(_codes_to_bytes(p, elems.to(torch.uint8)), (nbytes,)), gabs
 
 
 def from_global4(p, codes, absmax, qmap, block):
@@ -147,7 +222,7 @@ def from_global4(p, codes, absmax, qmap, block):
         return codes.to_local(), absmax.to_local()
     local = _local(p)
     n = local.numel()
-    elems = _local_codes(p, codes)
+    elems = _bytes_to_codes(p, codes)
     if _aligned(p, block) and same_layout(absmax):
         return pack4(elems), absmax.to_local()
     qmap = qmap.to(local.device)

@@ -127,6 +127,8 @@ def _checkpoint(rank, ckpt_dir, name):
     scaler = make_scaler()
     run(model, opt, scaler, data, range(CKPT_AT), rank)
     msd, osd = get_state_dict(model, opt)
+    out["global_types"] = {k: {n: type(v).__name__ for n, v in st.items()}
+                           for k, st in osd["state"].items()}
     out["global"] = {k: {n: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone()
                          for n, v in st.items()} for k, st in osd["state"].items()}
     dcp.save({"model": msd, "optim": osd, "scaler": scaler.state_dict()}, checkpoint_id=ckpt_dir)
@@ -184,6 +186,64 @@ def _torchao_round_trip(model, opt):
     return out
 
 
+def _layout_paths(rank):
+    """mpfused/distributed_4bit.py's code movers outside training: the point-to-point path of
+    dim-0 shards = the all-gather path, both directions, for odd, uneven and empty shards; a
+    Shard(1) param (the all-gather path) saved and loaded, checked against full tensors."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+    from mpfused import distributed_4bit as d4
+    from mpfused import quant4 as q4
+    from mpfused.quant_maps import encode, inv_scale
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    g = torch.Generator().manual_seed(7)  # the same draws on every rank
+    out = {}
+    for shape in [(33, 17), (33,), (7, 256), (128, 7), (7, 128), (3, 5), (1, 9), (0, 4)]:
+        p = distribute_tensor(torch.randn(shape, generator=g), mesh, [Shard(0)])
+        mine = torch.Generator().manual_seed(100 * rank + len(out))
+        elems = torch.randint(0, 16, (p.to_local().numel(),), generator=mine, dtype=torch.uint8)
+        nbytes = (p.numel() + 1) // 2
+        gbytes = distribute_tensor(torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8),
+                                   mesh, [Shard(0)])
+        out[shape] = (torch.equal(d4._codes_to_bytes(p, elems), d4._gather_to_bytes(p, elems)),
+                      torch.equal(d4._bytes_to_codes(p, gbytes), d4._gather_from_bytes(p, gbytes)))
+
+    shape, qmap, block = (6, 301), q4.signed4_map(), 128
+    p = distribute_tensor(torch.randn(shape, generator=g), mesh, [Shard(1)])
+    local = p.to_local()
+    n = local.numel()
+    codes, absmax = q4.quantize4_blockwise(local * (rank + 1), qmap, block)
+    gcodes, gabs = d4.to_global4(p, codes, absmax, qmap, block)
+
+    def full(t):  # a per-element local tensor -> the whole param's, flat
+        return DTensor.from_local(t.view(local.shape), mesh, [Shard(1)], run_check=False,
+                                  shape=p.shape, stride=p.stride()).full_tensor().reshape(-1)
+
+    def mine_of(t):  # the whole param's per-element tensor -> this rank's, flat
+        return DTensor.from_local(t.view(shape), mesh, [Replicate()], run_check=False).redistribute(
+            mesh, [Shard(1)]).to_local().reshape(-1)
+
+    def block_max(x, m):
+        return torch.nn.functional.pad(x, (0, -(-m // block) * block - m)).view(-1, block).amax(1)
+
+    scale = absmax.repeat_interleave(block)[:n]
+    values, scales = full(qmap[q4.unpack4(codes, n)] * scale), full(scale)
+    want_abs = block_max(scales, p.numel())
+    per_elem = want_abs[torch.arange(p.numel()) // block]
+    want_codes = encode(values * inv_scale(per_elem), qmap)
+    out["shard1_save"] = (torch.equal(gcodes.full_tensor(), q4.pack4(want_codes)),
+                          torch.equal(gabs.full_tensor(), want_abs))
+    lcodes, labs = d4.from_global4(p, gcodes, gabs, qmap, block)
+    gscale = mine_of(per_elem)
+    want_labs = block_max(gscale, n)
+    want_l = encode(qmap[mine_of(want_codes)] * gscale
+                    * inv_scale(want_labs[torch.arange(n) // block]), qmap)
+    out["shard1_load"] = (torch.equal(lcodes, q4.pack4(want_l)), torch.equal(labs, want_labs))
+    return out
+
+
 def _worker_main(launch, rank, world, out_dir):
     import warnings
 
@@ -205,6 +265,10 @@ def _worker_main(launch, rank, world, out_dir):
             except Exception:  # noqa: BLE001
                 results[name] = {"error": traceback.format_exc()}
             dist.barrier()
+        try:
+            results["paths"] = _layout_paths(rank)
+        except Exception:  # noqa: BLE001
+            results["paths"] = {"error": traceback.format_exc()}
         torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()

@@ -11,7 +11,8 @@ Checked against an oracle written here on plain tensors (``_global_ref`` / ``_lo
 * layouts whose blocks coincide (EXACT_4BIT) save and load bit for bit, so a run whose 4-bit
   params all have such layouts resumes bit-identically (2 -> 2 and 2 -> 1) and trains as one
   process bit for bit; re-blocked params resume within 4-bit noise (RESUME_TOL);
-* to_torchao_state_dict / from_torchao_state_dict of DTensor params: torchao's FSDP2 layout.
+* to_torchao_state_dict / from_torchao_state_dict of DTensor params: torchao's FSDP2 layout;
+* the point-to-point code mover of dim-0 shards = the all-gather one; Shard(1) params.
 """
 from __future__ import annotations
 
@@ -97,7 +98,10 @@ def test_checkpoint_holds_the_global_layout():
         for pname in LOSSY_4BIT | EXACT_4BIT:
             numel = c["saved_params"][pname].numel()
             for n, key in enumerate(KEYS, 1):
-                got_codes, got_abs = c["global"][pname][f"state{n}"], c["global"][pname][f"absmax{n}"]
+                assert c["global_types"][pname][f"state{n}"] == "DTensor", (pname, key)
+                assert c["global_types"][pname][f"absmax{n}"] == "DTensor", (pname, key)
+                got_codes = c["global"][pname][f"state{n}"]
+                got_abs = c["global"][pname][f"absmax{n}"]
                 assert got_codes.shape == ((numel + 1) // 2,) and got_codes.dtype == torch.uint8
                 assert got_abs.shape == (-(-numel // BLOCK),), (pname, key)
                 want_codes, want_abs = _global_ref(cs, pname, key)
@@ -244,3 +248,12 @@ def test_torchao_state_of_dtensor_params():
                 assert torch.equal(back[key], want[0]), (pname, key)
                 assert torch.equal(back[key + "_absmax"], want[1]), (pname, key)
             assert torch.equal(t["back"][pname]["step"], ours["step"])
+
+
+def test_codes_move_point_to_point_as_all_gathered_and_shard1_layouts():
+    """Dim-0 shards (odd, uneven, one rank empty): the point-to-point move of codes to byte
+    chunks and back equals the all-gather path; a Shard(1) param (FSDP2's shard_placement_fn)
+    saves and loads as the full-tensor oracle says."""
+    for rank, paths in enumerate(_results("paths")):
+        for layout, ok in paths.items():
+            assert ok == (True, True), (rank, layout, ok)
