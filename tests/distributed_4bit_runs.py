@@ -210,6 +210,16 @@ def _layout_paths(rank):
         out[shape] = (torch.equal(d4._codes_to_bytes(p, elems), d4._gather_to_bytes(p, elems)),
                       torch.equal(d4._bytes_to_codes(p, gbytes), d4._gather_from_bytes(p, gbytes)))
 
+    hsdp = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("replicate", "shard"))
+    for shape in [(33, 17), (7, 128)]:  # HSDP: the shard group is the mesh's second dim
+        p = distribute_tensor(torch.randn(shape, generator=g), hsdp, [Replicate(), Shard(0)])
+        elems = torch.randint(0, 16, (p.to_local().numel(),), generator=g, dtype=torch.uint8)
+        gbytes = distribute_tensor(torch.randint(0, 256, ((p.numel() + 1) // 2,), generator=g,
+                                                 dtype=torch.uint8), hsdp, [Replicate(), Shard(0)])
+        out[("hsdp",) + shape] = (
+            torch.equal(d4._codes_to_bytes(p, elems), d4._gather_to_bytes(p, elems)),
+            torch.equal(d4._bytes_to_codes(p, gbytes), d4._gather_from_bytes(p, gbytes)))
+
     shape, qmap, block = (6, 301), q4.signed4_map(), 128
     p = distribute_tensor(torch.randn(shape, generator=g), mesh, [Shard(1)])
     local = p.to_local()

@@ -251,9 +251,9 @@ def test_torchao_state_of_dtensor_params():
 
 
 def test_codes_move_point_to_point_as_all_gathered_and_shard1_layouts():
-    """Dim-0 shards (odd, uneven, one rank empty): the point-to-point move of codes to byte
-    chunks and back equals the all-gather path; a Shard(1) param (FSDP2's shard_placement_fn)
-    saves and loads as the full-tensor oracle says."""
+    """Dim-0 shards (odd, uneven, one rank empty; FSDP2 and HSDP meshes): the point-to-point
+    move of codes to byte chunks and back equals the all-gather path; a Shard(1) param (FSDP2's
+    shard_placement_fn) saves and loads as the full-tensor oracle says."""
     for rank, paths in enumerate(_results("paths")):
         for layout, ok in paths.items():
             assert ok == (True, True), (rank, layout, ok)
