@@ -38,6 +38,9 @@ What happens where
   multiple of ``block_size`` and the blocks split evenly) save and load are exact views with no
   collective; otherwise the state is re-blocked at save (a small MAX-all-reduce per param) and
   re-quantized at load (nearest codes, not bit-exact), and those calls are collectives.
+  ``AdamW4bit``: the same with packed codes (mpfused/distributed_4bit.py: a flat uint8 DTensor
+  of ceil(numel / 2) bytes; byte chunks that differ from a rank's elements are moved between
+  ranks, and blocks that coincide with the whole param's stay bit-exact when re-blocking).
 
 Collectives are issued in param order, identically on every rank (SPMD): all ranks must call
 ``step`` together, as with any collective.

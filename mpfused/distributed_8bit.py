@@ -78,7 +78,7 @@ def _global_block_index(p, block: int) -> torch.Tensor:
     unsharded param's (row-major) block layout."""
     if not all(pl.is_replicate() or _plain_shard(pl) for pl in p.placements):
         raise NotImplementedError(
-            f"mpfused.AdamW8bit: the 8-bit state of a DTensor param with placements "
+            f"mpfused: the 8-bit / 4-bit state of a DTensor param with placements "
             f"{tuple(p.placements)} can only be checkpointed when its shards are block-aligned "
             "(see mpfused.distributed); Shard and Replicate placements are supported")
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -86,7 +86,7 @@ def _global_block_index(p, block: int) -> torch.Tensor:
     local = _local(p)
     shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     if tuple(shape) != tuple(local.shape):
-        raise RuntimeError(f"mpfused.AdamW8bit: local shard shape {tuple(local.shape)} differs "
+        raise RuntimeError(f"mpfused: local shard shape {tuple(local.shape)} differs "
                            f"from its DTensor layout {tuple(shape)}")
     idx = torch.zeros((), dtype=torch.int64, device=local.device)
     stride = 1

@@ -119,11 +119,8 @@ def _globalize(optimizer, state_dict, quant) -> None:
         for q in quant:
             if not is_codes(saved.get(q.key)) or is_dtensor(saved[q.key]):
                 continue
-            if q.bits == 4:  # packed codes: aligned shards only (mpfused/distributed_4bit.py)
-                saved[q.key], saved[q.absmax_key] = to_global4(
-                    p, saved[q.key], saved[q.absmax_key], group["block_size"])
-                continue
-            saved[q.key], saved[q.absmax_key] = _to_global(
+            to_global = to_global4 if q.bits == 4 else _to_global  # packed: distributed_4bit.py
+            saved[q.key], saved[q.absmax_key] = to_global(
                 p, saved[q.key], saved[q.absmax_key], q.qmap(local.device), group["block_size"])
         state_dict["state"][pid] = saved
 
@@ -163,8 +160,12 @@ def _check_saved_kinds(saved, quant, p, where) -> bool:
     local = _local(p)
     for q in quant:
         if isinstance(saved.get(q.key), torch.Tensor):
-            shape = tuple(_local(saved[q.key]).shape)  # DCP + FSDP2 hands DTensors: local shard
-            want = q.codes_shape(local.shape) if is_codes(saved[q.key]) else tuple(local.shape)
+            # DCP + FSDP2 hands DTensors: the global layout (4-bit bytes are chunked otherwise
+            # than the param's elements, so the global shapes are compared)
+            value = saved[q.key]
+            ref = p if is_dtensor(value) else local
+            shape = tuple(value.shape)
+            want = q.codes_shape(ref.shape) if is_codes(value) else tuple(ref.shape)
             if shape != want:
                 raise ValueError(
                     f"load_state_dict: {where}: saved {q.saved_key}/{q.key} has shape {shape}; "
@@ -274,9 +275,9 @@ def _restore_8bit(optimizer):
             codes, absmax = saved.get(q.key), saved.get(q.absmax_key)
             if (is_codes(codes) and isinstance(absmax, torch.Tensor)
                     and (is_dtensor(codes) or is_dtensor(absmax))):  # DCP: the global layout
-                saved[q.key], saved[q.absmax_key] = (
-                    from_global4(p, codes, absmax, group["block_size"]) if q.bits == 4 else
-                    _from_global(p, codes, absmax, q.qmap(local.device), group["block_size"]))
+                from_global = from_global4 if q.bits == 4 else _from_global
+                saved[q.key], saved[q.absmax_key] = from_global(
+                    p, codes, absmax, q.qmap(local.device), group["block_size"])
         for q in quant:
             for key in (q.key, q.absmax_key):
                 value = saved.get(key)

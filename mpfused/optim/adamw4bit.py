@@ -23,7 +23,8 @@ bf16_stochastic_round)``:
   ``{key}_absmax``; saved as ``state1`` / ``absmax1`` / ``state2`` / ``absmax2`` with
   ``"mpfused_8bit": {"bits": 4, maps}``. ``to_torchao_state_dict()`` / ``from_torchao_state_dict``
   convert to / from torchao's state (``OptimState4bit`` codes and scales copied byte for byte:
-  same maps, nibble order and block layout; mpfused/optim/_torchao_4bit.py).
+  same maps, nibble order and block layout; mpfused/optim/_torchao_4bit.py; FSDP2: torchao's
+  per-shard DTensor state). FSDP2 / DCP: every shard layout (mpfused/distributed_4bit.py).
 """
 from __future__ import annotations
 
