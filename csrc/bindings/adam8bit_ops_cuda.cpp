@@ -1,7 +1,8 @@
 // CUDA registration of the multi-tensor Adam/AdamW step with block-wise 8-bit moments
 // (adam8bit_step_) and 4-bit ones (adam4bit_step_: the same kernel specialized on the code width,
-// as on the CPU). Same checks as the CPU binding (common.h, quant8_args.h), except the map values: the step counters, lr (optionally),
-// grad_scale, found_inf, norm_sq and both quantization maps are read by the kernels on the device
+// as on the CPU). Same checks as the CPU binding (common.h, quant8_args.h), except the map
+// values: the step counters, lr (optionally), grad_scale, found_inf, norm_sq and both
+// quantization maps are read by the kernels on the device
 // (which check the maps themselves, see cuda/adam8bit_cuda.h), and the counters are incremented by
 // a last launch unless found_inf > 0: no host sync on any path (capturable). The kernels' per-step
 // workspace is a byte tensor from torch's caching allocator on the current stream (a CUDA graph
@@ -24,16 +25,16 @@ namespace {
 // sign rule).
 template <int BITS>
 void adam_quant_step_cuda(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                        at::TensorList exp_avg_sqs, at::TensorList absmax1s,
-                        at::TensorList absmax2s, at::TensorList masters, at::TensorList steps,
-                        const at::Tensor& qmap1, const at::Tensor& qmap2, int64_t block_size,
-                        double lr, const std::optional<at::Tensor>& lr_tensor, double beta1,
-                        double beta2, double eps, double weight_decay, bool maximize,
-                        bool decoupled, int64_t master_mode,
-                        const std::optional<at::Tensor>& grad_scale,
-                        const std::optional<at::Tensor>& found_inf,
-                        const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
-                        int64_t seed, at::IntArrayRef param_ids, at::IntArrayRef elem_offsets) {
+                          at::TensorList exp_avg_sqs, at::TensorList absmax1s,
+                          at::TensorList absmax2s, at::TensorList masters, at::TensorList steps,
+                          const at::Tensor& qmap1, const at::Tensor& qmap2, int64_t block_size,
+                          double lr, const std::optional<at::Tensor>& lr_tensor, double beta1,
+                          double beta2, double eps, double weight_decay, bool maximize,
+                          bool decoupled, int64_t master_mode,
+                          const std::optional<at::Tensor>& grad_scale,
+                          const std::optional<at::Tensor>& found_inf,
+                          const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
+                          int64_t seed, at::IntArrayRef param_ids, at::IntArrayRef elem_offsets) {
   if (params.empty()) return;
   const at::Device dev =
       check_adam8bit_args(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters,

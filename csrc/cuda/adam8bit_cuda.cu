@@ -119,7 +119,7 @@ __device__ __forceinline__ void run_chunk(Shared& sh, const MtaChunk<kAdam8bitDe
   }
   __syncthreads();
   const int32_t zc = sh.zero_code;
-  if (sh.valid == 0) {  // a map is unusable (uniform): poison this chunk's absmax, write nothing else
+  if (sh.valid == 0) {  // a map is unusable (uniform): poison the absmax, write nothing else
     if (tid < nq) {
       absmax1[tid] = NAN;
       absmax2[tid] = NAN;
