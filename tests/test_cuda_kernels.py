@@ -15,7 +15,7 @@ from mpfused import _extension
 from mpfused.ops import OPS
 from mpfused.reference import adam as ref_adam
 from mpfused.reference import amp as ref_amp
-from tests.tolerances import OP_TOL, assert_close
+from tests.tolerances import OP_TOL, REMAINDER8_TOL, assert_close
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -27,7 +27,8 @@ DEV = "cuda"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MIXED = "mixed"
 NORM_TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32 partial sums vs the float64 reference
-MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC = 0, 1, 2, 3
+MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC, MASTER_REMAINDER8 = 0, 1, 2, 3, 4
+MODES = [MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC, MASTER_REMAINDER8]
 
 
 @contextlib.contextmanager
@@ -70,7 +71,14 @@ def with_layout(x, layout):
     return out
 
 
-def dtype_cycle(dtype, n):
+def dtype_cycle(dtype, n, mode=None):
+    """n dtypes: `dtype`, or MIXED's fp32 / fp16 / bf16 in turn. Master mode 4 (remainder8) needs
+    bf16 or fp32 params (the bindings refuse fp16): MIXED is then fp32 / bf16, fp16 a skip."""
+    if mode == MASTER_REMAINDER8:
+        if dtype == torch.float16:
+            pytest.skip("remainder8 (master mode 4) needs bf16 or fp32 params")
+        if dtype == MIXED:
+            return [(torch.float32, torch.bfloat16)[i % 2] for i in range(n)]
     return [DTYPES[i % 3] for i in range(n)] if dtype == MIXED else [dtype] * n
 
 
@@ -303,13 +311,17 @@ class AdamCase:
             if mode == MASTER_REMAINDER and dt == torch.bfloat16:
                 p0, rem = ref_adam.remainder_split(w0.contiguous())
                 self.masters.append(with_layout(rem, state_layout))
+            elif mode == MASTER_REMAINDER8 and dt == torch.bfloat16:
+                p0, rem = ref_adam.remainder8_split(w0.contiguous())
+                self.masters.append(with_layout(rem, state_layout))
             else:
                 p0 = w0.to(dt)
                 if mode == MASTER_FP32:
                     self.masters.append(with_layout(w0, state_layout))
-                elif mode == MASTER_REMAINDER:
+                elif mode in (MASTER_REMAINDER, MASTER_REMAINDER8):  # unused: must stay as it is
+                    idt, lim = (torch.int16, 2**15) if mode == MASTER_REMAINDER else (torch.int8, 2**7)
                     self.masters.append(with_layout(torch.randint(
-                        -2**15, 2**15, shape, device=DEV, dtype=torch.int16), state_layout))
+                        -lim, lim, shape, device=DEV, dtype=idt), state_layout))
             self.params.append(with_layout(p0, layout))
             g = torch.randn(shape, device=DEV) * (grad_scale or 1.0)
             self.grads.append(with_layout(g.to(dt), layout))
@@ -350,10 +362,10 @@ class AdamCase:
         before = [clones(x) for x in self.lists()]
         native("adam_step_", *self.args(self.lists()))
         ref_adam.adam_step_(*self.args(ref))
-        # fp16 params ignore the remainder/stochastic modes (cpu::pick_elementwise_chunk): round
-        # to nearest.
+        # fp16 params ignore the remainder/stochastic modes (effective_master_mode): round to
+        # nearest.
         ref16 = None
-        if self.mode in (MASTER_REMAINDER, MASTER_STOCHASTIC):
+        if self.mode in (MASTER_REMAINDER, MASTER_STOCHASTIC, MASTER_REMAINDER8):
             ref16 = [clones(x) for x in before]
             ref_adam.adam_step_(*self.args(ref16, mode=MASTER_NONE))
         P, G, M, V, VM, MA, S = range(7)
@@ -370,7 +382,10 @@ class AdamCase:
                 if self.mode == MASTER_REMAINDER and p.dtype == torch.bfloat16:
                     assert_close(ref_adam.remainder_join(p, self.masters[i]),
                                  ref_adam.remainder_join(r[P][i], r[MA][i]))
-                elif self.masters[i].dtype == torch.int16:
+                elif self.mode == MASTER_REMAINDER8 and p.dtype == torch.bfloat16:
+                    assert_close(ref_adam.remainder8_join(p, self.masters[i]),
+                                 ref_adam.remainder8_join(r[P][i], r[MA][i]), **REMAINDER8_TOL)
+                elif self.masters[i].dtype in (torch.int16, torch.int8):
                     assert torch.equal(self.masters[i], before[MA][i])
                 else:
                     assert_close(self.masters[i], r[MA][i])
@@ -389,10 +404,10 @@ ADAM_SHAPES = [1, 3, 4, 17, 1000, 4097, 65536, 65537 + 2, 0, 150_003]
 
 
 @pytest.mark.parametrize("amsgrad", [False, True])
-@pytest.mark.parametrize("mode", [MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", DTYPES + [MIXED], ids=str)
 def test_adam_matches_reference(dtype, mode, amsgrad):
-    case = AdamCase(ADAM_SHAPES, dtype_cycle(dtype, len(ADAM_SHAPES)), mode,
+    case = AdamCase(ADAM_SHAPES, dtype_cycle(dtype, len(ADAM_SHAPES), mode), mode,
                     amsgrad=amsgrad, decoupled=not amsgrad, maximize=amsgrad)
     run_adam(case)
 
@@ -409,20 +424,20 @@ def test_adam_device_scalars(grad_scale, clip, lr_kind):
 @pytest.mark.parametrize("state_layout_same", [False, True])
 @pytest.mark.parametrize("layouts", [("offset",), ("strided",), ("transposed",),
                                      ("contig", "offset", "strided", "transposed")], ids=str)
-@pytest.mark.parametrize("mode", [MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC])
+@pytest.mark.parametrize("mode", MODES)
 def test_adam_noncontiguous(mode, layouts, state_layout_same):
     shapes = [(37, 129), (300, 257), (1, 5), (0, 4), (1030, 70), (2, 3)]
-    case = AdamCase(shapes, dtype_cycle(MIXED, len(shapes)), mode, layouts=layouts,
+    case = AdamCase(shapes, dtype_cycle(MIXED, len(shapes), mode), mode, layouts=layouts,
                     state_layout_same=state_layout_same)
     strides = [p.stride() for p in case.params]
     run_adam(case, nsteps=2)
     assert [p.stride() for p in case.params] == strides
 
 
-@pytest.mark.parametrize("mode", [MASTER_FP32, MASTER_STOCHASTIC])
+@pytest.mark.parametrize("mode", [MASTER_FP32, MASTER_STOCHASTIC, MASTER_REMAINDER8])
 def test_adam_many_small_tensors(mode):
     shapes = torch.randint(0, 200, (400,)).tolist()  # several launches (54 tensors per launch)
-    case = AdamCase(shapes, dtype_cycle(MIXED, len(shapes)), mode, amsgrad=True)
+    case = AdamCase(shapes, dtype_cycle(MIXED, len(shapes), mode), mode, amsgrad=True)
     run_adam(case, nsteps=2)
 
 
@@ -590,8 +605,8 @@ def test_opcheck_amp():
                            scalar(1.0), 2.0, 0.5, 3, 1, 0.0, math.inf))
 
 
-@pytest.mark.parametrize("mode", [MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC])
+@pytest.mark.parametrize("mode", [MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC, MASTER_REMAINDER8])
 def test_opcheck_adam(mode):
-    case = AdamCase([7, (4, 3), 0, 1000], dtype_cycle(MIXED, 4), mode, amsgrad=True,
+    case = AdamCase([7, (4, 3), 0, 1000], dtype_cycle(MIXED, 4, mode), mode, amsgrad=True,
                     grad_scale=8.0, clip=True, lr_kind="cuda32")
     torch.library.opcheck(OPS["adam_step_"].overload, case.args(case.lists()))
