@@ -85,11 +85,19 @@ MPF_HD void load_codes(const uint8_t* __restrict c, int64_t from, int32_t* __res
 }
 
 // Pass 2 alone over elements [from, to) of one block (moments in mb/vb, codes at c1/c2).
-template <bool LUT, int BITS>
+// ENC4: 4-bit codes by encode_store4_avx512 (the x86-64-v4 build).
+template <bool LUT, int BITS, bool ENC4 = false>
 MPF_HD void requantize(const float* __restrict mb, const float* __restrict vb, uint8_t* __restrict c1,
                        uint8_t* __restrict c2, int64_t from, int64_t to, float r1, float r2,
                        const uint32_t* __restrict lut1, const uint32_t* __restrict lut2,
                        const float* __restrict thr1, const float* __restrict thr2, int32_t zc) {
+  if constexpr (ENC4) {
+#if MPF_8BIT_ISAS
+    encode_store4_avx512(thr1, mb, r1, c1, from, to);
+    encode_store4_avx512(thr2, vb, r2, c2, from, to);
+#endif
+    return;
+  }
   alignas(64) int32_t out1[kTile], out2[kTile];
   for (int64_t t0 = from; t0 < to; t0 += kTile) {
     const int64_t tl = to - t0 < kTile ? to - t0 : kTile;
@@ -134,6 +142,11 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
   alignas(64) float vb[2][kMaxBlock];
   alignas(64) int32_t in1[kTile], in2[kTile], out1[kTile], out2[kTile];
   alignas(64) float d1[kTile], d2[kTile];  // VBMI: the decoded map entries
+  // remainder8: the int8 corrections widened to int16 per tile (see remainder8_join_wide)
+  constexpr bool kWide8 = MODE == kRemainder8;
+  alignas(64) int16_t rin[kWide8 ? kTile : 1], rout[kWide8 ? kTile : 1];
+  // 4-bit on x86-64-v4: encoded by encode_store4_avx512 after each tile's loop, not in it
+  constexpr bool kEnc4 = VBMI && BITS == 4;
 
   int64_t prev_b0 = -1, prev_len = 0;
   float prev_r1 = 0.f, prev_r2 = 0.f;
@@ -164,6 +177,7 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
         load_codes<BITS>(c1, o, in1, tl);
         load_codes<BITS>(c2, o, in2, tl);
       }
+      if constexpr (kWide8) widen_corrections(mst + o, rin, tl);
       float* __restrict mc = mb[cur] + t0;
       float* __restrict vc = vb[cur] + t0;
       const float* __restrict mp_ = mb[prv] + t0;
@@ -177,32 +191,43 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
 #pragma omp simd reduction(max : t1, t2)
         for (int64_t j = 0; j < tl; ++j) {
           const int64_t i = o + j;
-          float w = load_weight<T, MODE>(p, mst, i);
+          float w;
+          if constexpr (kWide8) w = remainder8_join_wide(p[i].bits, rin[j]);
+          else w = load_weight<T, MODE>(p, mst, i);
           float m = VBMI ? d1[j] * a1 : quant8_decode(map1, in1[j], a1);
           float v = VBMI ? d2[j] * a2 : quant8_decode(map2, in2[j], a2);
           float unused = 0.f;
           adam_element<false>(w, to_f32(g[i]), m, v, unused, sc);
-          store_weight<T, MODE>(w, p, mst, i, seed, stream, begin + i);
+          if constexpr (kWide8) remainder8_split_wide(w, p[i].bits, rout[j]);
+          else store_weight<T, MODE>(w, p, mst, i, seed, stream, begin + i);
           mc[j] = m;
           vc[j] = v;
           const uint32_t b1 = f32_bits(fabsf(m)), b2 = f32_bits(fabsf(v));
           t1 = t1 > b1 ? t1 : b1;
           t2 = t2 > b2 ? t2 : b2;
-          if constexpr (PIPE)
+          if constexpr (PIPE && !kEnc4)
             encode_pair<LUT>(mp_[j], vp_[j], prev_r1, prev_r2, lut1, lut2, thr1, thr2, zc, out1[j], out2[j]);
         }
         am1 = t1;
         am2 = t2;
       };
-      if (pipe) update(std::true_type{});
+      if (pipe && !kEnc4) update(std::true_type{});  // kEnc4: the same loop either way
       else update(std::false_type{});
+      if constexpr (kWide8) narrow_corrections(rout, mst + o, tl);
       if (pipe) {
-        store_codes<BITS>(c1, prev_b0 + t0, out1, tl);
-        store_codes<BITS>(c2, prev_b0 + t0, out2, tl);
+        if constexpr (kEnc4) {
+#if MPF_8BIT_ISAS
+          encode_store4_avx512(thr1, mb[prv], prev_r1, c1 + prev_b0 / 2, t0, t0 + tl);
+          encode_store4_avx512(thr2, vb[prv], prev_r2, c2 + prev_b0 / 2, t0, t0 + tl);
+#endif
+        } else {
+          store_codes<BITS>(c1, prev_b0 + t0, out1, tl);
+          store_codes<BITS>(c2, prev_b0 + t0, out2, tl);
+        }
       }
     }
     if (pipe && len < prev_len)
-      requantize<LUT, BITS>(mb[prv], vb[prv], c1 + prev_b0 * BITS / 8, c2 + prev_b0 * BITS / 8,
+      requantize<LUT, BITS, kEnc4>(mb[prv], vb[prv], c1 + prev_b0 * BITS / 8, c2 + prev_b0 * BITS / 8,
                             len, prev_len, prev_r1, prev_r2, lut1, lut2, thr1, thr2, zc);
     absmax1[blk] = bits_f32(am1);
     absmax2[blk] = bits_f32(am2);
@@ -212,7 +237,7 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
     prev_r2 = quant8_inv_scale(bits_f32(am2));
   }
   if (prev_b0 >= 0)
-    requantize<LUT, BITS>(mb[cur ^ 1], vb[cur ^ 1], c1 + prev_b0 * BITS / 8,
+    requantize<LUT, BITS, kEnc4>(mb[cur ^ 1], vb[cur ^ 1], c1 + prev_b0 * BITS / 8,
                           c2 + prev_b0 * BITS / 8, 0, prev_len, prev_r1, prev_r2, lut1, lut2, thr1,
                           thr2, zc);
 }
