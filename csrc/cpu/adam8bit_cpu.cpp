@@ -85,19 +85,11 @@ MPF_HD void load_codes(const uint8_t* __restrict c, int64_t from, int32_t* __res
 }
 
 // Pass 2 alone over elements [from, to) of one block (moments in mb/vb, codes at c1/c2).
-// ENC4: 4-bit codes by encode_store4_avx512 (the x86-64-v4 build).
-template <bool LUT, int BITS, bool ENC4 = false>
+template <bool LUT, int BITS>
 MPF_HD void requantize(const float* __restrict mb, const float* __restrict vb, uint8_t* __restrict c1,
                        uint8_t* __restrict c2, int64_t from, int64_t to, float r1, float r2,
                        const uint32_t* __restrict lut1, const uint32_t* __restrict lut2,
                        const float* __restrict thr1, const float* __restrict thr2, int32_t zc) {
-  if constexpr (ENC4) {
-#if MPF_8BIT_ISAS
-    encode_store4_avx512(thr1, mb, r1, c1, from, to);
-    encode_store4_avx512(thr2, vb, r2, c2, from, to);
-#endif
-    return;
-  }
   alignas(64) int32_t out1[kTile], out2[kTile];
   for (int64_t t0 = from; t0 < to; t0 += kTile) {
     const int64_t tl = to - t0 < kTile ? to - t0 : kTile;
@@ -145,8 +137,6 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
   // remainder8: the int8 corrections widened to int16 per tile (see remainder8_join_wide)
   constexpr bool kWide8 = MODE == kRemainder8;
   alignas(64) int16_t rin[kWide8 ? kTile : 1], rout[kWide8 ? kTile : 1];
-  // 4-bit on x86-64-v4: encoded by encode_store4_avx512 after each tile's loop, not in it
-  constexpr bool kEnc4 = VBMI && BITS == 4;
 
   int64_t prev_b0 = -1, prev_len = 0;
   float prev_r1 = 0.f, prev_r2 = 0.f;
@@ -205,29 +195,22 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
           const uint32_t b1 = f32_bits(fabsf(m)), b2 = f32_bits(fabsf(v));
           t1 = t1 > b1 ? t1 : b1;
           t2 = t2 > b2 ? t2 : b2;
-          if constexpr (PIPE && !kEnc4)
+          if constexpr (PIPE)
             encode_pair<LUT>(mp_[j], vp_[j], prev_r1, prev_r2, lut1, lut2, thr1, thr2, zc, out1[j], out2[j]);
         }
         am1 = t1;
         am2 = t2;
       };
-      if (pipe && !kEnc4) update(std::true_type{});  // kEnc4: the same loop either way
+      if (pipe) update(std::true_type{});
       else update(std::false_type{});
       if constexpr (kWide8) narrow_corrections(rout, mst + o, tl);
       if (pipe) {
-        if constexpr (kEnc4) {
-#if MPF_8BIT_ISAS
-          encode_store4_avx512(thr1, mb[prv], prev_r1, c1 + prev_b0 / 2, t0, t0 + tl);
-          encode_store4_avx512(thr2, vb[prv], prev_r2, c2 + prev_b0 / 2, t0, t0 + tl);
-#endif
-        } else {
-          store_codes<BITS>(c1, prev_b0 + t0, out1, tl);
-          store_codes<BITS>(c2, prev_b0 + t0, out2, tl);
-        }
+        store_codes<BITS>(c1, prev_b0 + t0, out1, tl);
+        store_codes<BITS>(c2, prev_b0 + t0, out2, tl);
       }
     }
     if (pipe && len < prev_len)
-      requantize<LUT, BITS, kEnc4>(mb[prv], vb[prv], c1 + prev_b0 * BITS / 8, c2 + prev_b0 * BITS / 8,
+      requantize<LUT, BITS>(mb[prv], vb[prv], c1 + prev_b0 * BITS / 8, c2 + prev_b0 * BITS / 8,
                             len, prev_len, prev_r1, prev_r2, lut1, lut2, thr1, thr2, zc);
     absmax1[blk] = bits_f32(am1);
     absmax2[blk] = bits_f32(am2);
@@ -237,7 +220,7 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
     prev_r2 = quant8_inv_scale(bits_f32(am2));
   }
   if (prev_b0 >= 0)
-    requantize<LUT, BITS, kEnc4>(mb[cur ^ 1], vb[cur ^ 1], c1 + prev_b0 * BITS / 8,
+    requantize<LUT, BITS>(mb[cur ^ 1], vb[cur ^ 1], c1 + prev_b0 * BITS / 8,
                           c2 + prev_b0 * BITS / 8, 0, prev_len, prev_r1, prev_r2, lut1, lut2, thr1,
                           thr2, zc);
 }

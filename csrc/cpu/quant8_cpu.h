@@ -125,44 +125,6 @@ constexpr DecodePerm kDecodePerm = make_decode_perm();
   }
   for (; j < n; ++j) out[j] = map[quant4_code_at(codes, j)];
 }
-
-// The 4-bit encode (x86-64-v4): element j of packed codes c gets quant4_encode(thr, s[j] * r)
-// for j in [from, to) (quant4_encode's comparisons, so the same code for every float32 as the
-// table and quant8_encode over the padded thresholds). Without tables or gathers: the 16
-// thresholds the search can reach at each level are one zmm register each (tk[i] = thr[i + k]),
-// and vpermps picks each lane's pivot. Pairs are packed as store_codes<4> packs them: an odd
-// `from` keeps the high nibble of its byte, an odd `to` leaves the low nibble of its byte 0.
-[[maybe_unused]] MPF_8BIT_V4 void encode_store4_avx512(const float* thr,
-                                                       const float* __restrict s, float r,
-                                                       uint8_t* __restrict c, int64_t from,
-                                                       int64_t to) {
-  int64_t j = from;
-  if ((j & 1) != 0 && j < to) {
-    c[j >> 1] = uint8_t((c[j >> 1] & 0xF0) | quant4_encode(thr, s[j] * r));
-    ++j;
-  }
-  const __m512 t0 = _mm512_loadu_ps(thr), t1 = _mm512_loadu_ps(thr + 1);
-  const __m512 t3 = _mm512_loadu_ps(thr + 3), t7 = _mm512_set1_ps(thr[7]);
-  const __m512 vr = _mm512_set1_ps(r);
-  const __m512i four = _mm512_set1_epi32(4), two = _mm512_set1_epi32(2);
-  const __m512i one = _mm512_set1_epi32(1), eight = _mm512_set1_epi32(8);
-  for (; j + 16 <= to; j += 16) {
-    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + j), vr);
-    __m512i q = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, t7, _CMP_GT_OQ), eight);
-    q = _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(q, t3), _CMP_GT_OQ),
-                              q, four);
-    q = _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(q, t1), _CMP_GT_OQ),
-                              q, two);
-    q = _mm512_mask_add_epi32(q, _mm512_cmp_ps_mask(x, _mm512_permutexvar_ps(q, t0), _CMP_GT_OQ),
-                              q, one);
-    // qword k holds the codes of elements 2k (low dword) and 2k + 1: byte k = (2k << 4) | 2k+1
-    const __m512i pk = _mm512_or_si512(_mm512_slli_epi64(q, 4), _mm512_srli_epi64(q, 32));
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(c + (j >> 1)), _mm512_cvtepi64_epi8(pk));
-  }
-  for (; j + 1 < to; j += 2)
-    c[j >> 1] = quant4_pack(quant4_encode(thr, s[j] * r), quant4_encode(thr, s[j + 1] * r));
-  if (j < to) c[j >> 1] = quant4_pack(quant4_encode(thr, s[j] * r), 0);
-}
 #endif
 
 }  // namespace
