@@ -134,6 +134,9 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
   alignas(64) float vb[2][kMaxBlock];
   alignas(64) int32_t in1[kTile], in2[kTile], out1[kTile], out2[kTile];
   alignas(64) float d1[kTile], d2[kTile];  // VBMI: the decoded map entries
+  // remainder8: the int8 corrections widened to int16 per tile (see remainder8_join_wide)
+  constexpr bool kWide8 = MODE == kRemainder8;
+  alignas(64) int16_t rin[kWide8 ? kTile : 1], rout[kWide8 ? kTile : 1];
 
   int64_t prev_b0 = -1, prev_len = 0;
   float prev_r1 = 0.f, prev_r2 = 0.f;
@@ -164,6 +167,7 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
         load_codes<BITS>(c1, o, in1, tl);
         load_codes<BITS>(c2, o, in2, tl);
       }
+      if constexpr (kWide8) widen_corrections(mst + o, rin, tl);
       float* __restrict mc = mb[cur] + t0;
       float* __restrict vc = vb[cur] + t0;
       const float* __restrict mp_ = mb[prv] + t0;
@@ -177,12 +181,15 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
 #pragma omp simd reduction(max : t1, t2)
         for (int64_t j = 0; j < tl; ++j) {
           const int64_t i = o + j;
-          float w = load_weight<T, MODE>(p, mst, i);
+          float w;
+          if constexpr (kWide8) w = remainder8_join_wide(p[i].bits, rin[j]);
+          else w = load_weight<T, MODE>(p, mst, i);
           float m = VBMI ? d1[j] * a1 : quant8_decode(map1, in1[j], a1);
           float v = VBMI ? d2[j] * a2 : quant8_decode(map2, in2[j], a2);
           float unused = 0.f;
           adam_element<false>(w, to_f32(g[i]), m, v, unused, sc);
-          store_weight<T, MODE>(w, p, mst, i, seed, stream, begin + i);
+          if constexpr (kWide8) remainder8_split_wide(w, p[i].bits, rout[j]);
+          else store_weight<T, MODE>(w, p, mst, i, seed, stream, begin + i);
           mc[j] = m;
           vc[j] = v;
           const uint32_t b1 = f32_bits(fabsf(m)), b2 = f32_bits(fabsf(v));
@@ -196,6 +203,7 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
       };
       if (pipe) update(std::true_type{});
       else update(std::false_type{});
+      if constexpr (kWide8) narrow_corrections(rout, mst + o, tl);
       if (pipe) {
         store_codes<BITS>(c1, prev_b0 + t0, out1, tl);
         store_codes<BITS>(c2, prev_b0 + t0, out2, tl);

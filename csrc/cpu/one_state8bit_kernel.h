@@ -48,6 +48,9 @@ MPF_HD void state8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t 
   // gathers (compilers emulate gathers with 8-bit indices element by element).
   alignas(64) int32_t codes[kTile];
   alignas(64) float dec[kTile];  // VBMI: the decoded map entries
+  // remainder8: the int8 corrections widened to int16 per tile (see remainder8_join_wide)
+  constexpr bool kWide8 = MODE == kRemainder8;
+  alignas(64) int16_t rin[kWide8 ? kTile : 1], rout[kWide8 ? kTile : 1];
   for (int64_t b0 = 0; b0 < n; b0 += block) {
     const int64_t len = n - b0 < block ? n - b0 : block;
     const int64_t blk = (begin + b0) / block;
@@ -64,6 +67,7 @@ MPF_HD void state8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t 
 #pragma omp simd
         for (int64_t j = 0; j < tl; ++j) codes[j] = c[o + j];
       }
+      if constexpr (kWide8) widen_corrections(mst + o, rin, tl);
       float* __restrict sc = sb + t0;
       // u.visit hands the loop the update with its per-tensor cases decided (SGD: first step,
       // weight decay): one loop per case, none with arithmetic under a condition, which
@@ -73,16 +77,20 @@ MPF_HD void state8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t 
 #pragma omp simd reduction(max : tm)
         for (int64_t j = 0; j < tl; ++j) {
           const int64_t i = o + j;
-          float w = load_weight<T, MODE>(p, mst, i);
+          float w;
+          if constexpr (kWide8) w = remainder8_join_wide(p[i].bits, rin[j]);
+          else w = load_weight<T, MODE>(p, mst, i);
           float s = VBMI ? dec[j] * a : quant8_decode(map, codes[j], a);
           uc(w, to_f32(g[i]), s);
-          store_weight<T, MODE>(w, p, mst, i, seed, stream, begin + i);
+          if constexpr (kWide8) remainder8_split_wide(w, p[i].bits, rout[j]);
+          else store_weight<T, MODE>(w, p, mst, i, seed, stream, begin + i);
           sc[j] = s;
           const uint32_t bits = f32_bits(fabsf(s));
           tm = tm > bits ? tm : bits;
         }
         am = tm;
       });
+      if constexpr (kWide8) narrow_corrections(rout, mst + o, tl);
     }
     absmax[blk] = bits_f32(am);
     const float r = quant8_inv_scale(bits_f32(am));

@@ -48,6 +48,19 @@ int isa_level();
 
 namespace {  // per translation unit, as before the move (inlining decisions unchanged)
 
+// remainder8 masters staged through int16 tiles around a hot loop (remainder8_join_wide).
+template <typename M>
+MPF_HD void widen_corrections(const M* __restrict src, int16_t* __restrict dst, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dst[j] = int16_t(src[j]);
+}
+
+template <typename M>
+MPF_HD void narrow_corrections(const int16_t* __restrict src, M* __restrict dst, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dst[j] = M(src[j]);
+}
+
 #if MPF_8BIT_ISAS
 // Byte position 16L + 4q + r (lane L, slot r of output vector q) takes code 16q + 4L + r: the
 // order in which decode_tile_vbmi's per-lane interleave leaves the floats in order.
