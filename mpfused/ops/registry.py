@@ -114,20 +114,38 @@ class Op:
         return {"native": self.overload, "triton": self.triton,
                 "reference": self.reference}[backend]
 
-    def __call__(self, *args, backend: str | None = None):
+    @functools.cached_property
+    def _keyword_only(self) -> tuple[int, tuple[str, ...]]:
+        """(number of positional schema arguments, names of the keyword-only ones)."""
+        arguments = self.overload._schema.arguments
+        return (sum(not a.kwarg_only for a in arguments),
+                tuple(a.name for a in arguments if a.kwarg_only))
+
+    def _as_keywords(self, args, kwargs):
+        """A positional call of a schema with keyword-only scalars (sgd4bit_step_,
+        lion4bit_step_: written keyword-only ahead of the other ops) passes its trailing
+        arguments by name. Bridge until every call site passes scalars by keyword."""
+        n, names = self._keyword_only
+        if names and len(args) > n:
+            kwargs = {**dict(zip(names, args[n:])), **kwargs}
+            args = args[:n]
+        return args, kwargs
+
+    def __call__(self, *args, backend: str | None = None, **kwargs):
+        args, kwargs = self._as_keywords(args, kwargs)
         if backend is None or backend == "auto":
-            return self.overload(*args)
+            return self.overload(*args, **kwargs)
         if backend == "native" or not torch.compiler.is_compiling():
-            return self.impl(backend, _first_device_type(args))(*args)
-        return _run_eagerly(self, backend, args)
+            return self.impl(backend, _first_device_type(args))(*args, **kwargs)
+        return _run_eagerly(self, backend, args, kwargs)
 
 
 @torch.compiler.disable
-def _run_eagerly(op: "Op", backend: str, args):
+def _run_eagerly(op: "Op", backend: str, args, kwargs):
     """An explicit Triton/reference request under ``torch.compile`` runs eagerly behind a graph
     break: traced, its Python would be re-fused by the compiler and round differently from the
     eager step (the dispatcher op, the default, needs no break: it is one opaque node)."""
-    return op.impl(backend, _first_device_type(args))(*args)
+    return op.impl(backend, _first_device_type(args))(*args, **kwargs)
 
 
 def _first_device_type(args) -> str:
