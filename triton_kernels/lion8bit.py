@@ -1,4 +1,6 @@
-"""Triton Lion step with a block-wise 8-bit moment (the op mpfused::lion8bit_step_).
+"""Triton Lion step with a block-wise 8-bit moment (the op mpfused::lion8bit_step_), and with
+BITS = 4 the 4-bit one (mpfused::lion4bit_step_: codes packed two per byte into the signed
+16-entry map, no sign rule).
 
 One program per quantization block, one launch per non-empty tensor (host side:
 _quant8.one_state_step). Per block: the moment is dequantized with the block's old absmax,

@@ -1,4 +1,6 @@
-"""Triton SGD step with a block-wise 8-bit momentum buffer (the op mpfused::sgd8bit_step_).
+"""Triton SGD step with a block-wise 8-bit momentum buffer (the op mpfused::sgd8bit_step_), and
+with BITS = 4 the 4-bit one (mpfused::sgd4bit_step_: codes packed two per byte into the signed
+16-entry map, no sign rule).
 
 One program per quantization block, one launch per non-empty tensor (host side:
 _quant8.one_state_step). Per block: the buffer is dequantized with the block's old absmax, updated
