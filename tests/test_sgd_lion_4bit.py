@@ -60,7 +60,7 @@ def _decoded(st, key, shape):
     return q4.dequantize4_blockwise(st[key], st[key + "_absmax"], q4.signed4_map(), 128, shape)
 
 
-# ---- trajectories ---------------------------------------------------------------------------------
+# ---- trajectories --------------------------------------------------------------------------------
 def _quadratic(cls, steps, **kw):
     torch.manual_seed(0)
     w0 = torch.randn(64, 128)
@@ -111,7 +111,7 @@ def test_random_grads_deviation_is_bounded(name):
     assert rel < {"sgd": 0.35, "lion": 0.4}[name], rel  # 0.26 / 0.29
 
 
-# ---- checkpoints ----------------------------------------------------------------------------------
+# ---- checkpoints ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype,master", MASTER_CASES, ids=MASTER_IDS)
 @pytest.mark.parametrize("name", CASES)
 def test_save_load_continue_bit_exact(name, dtype, master):
@@ -253,7 +253,7 @@ def test_bytes_per_param_and_estimate(name):
     assert est.optimizer_state == round(state_bytes)
 
 
-# ---- gradient release (from the engine) -------------------------------------------------------------
+# ---- gradient release (from the engine) ----------------------------------------------------------
 RELEASE_CASES = {"SGD4bit-bf16-remainder": (mpfused.SGD4bit, torch.bfloat16,
                                             {"momentum": 0.9, "min_8bit_size": 512,
                                              "master_weights": "remainder"}),

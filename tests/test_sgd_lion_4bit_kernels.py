@@ -4,6 +4,8 @@ step from identical inputs each time, on every backend; Triton (interpreter) = n
 the codec = AdamW4bit's m codec byte for byte; found_inf skips bit-exactly; NaN; non-contiguous
 params; every CPU ISA build and thread count bit-identical.
 
+Also opcheck, bound lists = the plain call, torch.compile of the optimizer step = eager.
+
 Agreement with the reference (the kernel updates in fp32, the reference in float64 rounded once):
 params within fp32 rounding (16-bit params: one ulp; Lion: except where the interpolation
 c = b1 m + (1 - b1) g is within 16 EPS (|m| + |g|) of 0, where sign(c) is a rounding decision);
@@ -209,7 +211,7 @@ def test_argument_errors_name_the_rule(device, backend, kind):
             step(kind, clone(c), backend, momentum=0.0)
 
 
-# ---- the codec: AdamW4bit's first-moment codec, byte for byte -------------------------------------
+# ---- the codec: AdamW4bit's first-moment codec, byte for byte ------------------------------------
 @pytest.mark.parametrize("backend", ["native", "triton"])
 def test_codes_equal_adamw4bit_m_codec(backend):
     """A state that is exactly g (SGD's first step; Lion with beta2 = 0; adam4bit_step_ from a zero
@@ -309,3 +311,56 @@ def test_every_cpu_isa_build_is_bit_identical():
                              text=True)
         digests[isa] = out.stdout.strip().splitlines()[-1]
     assert len(set(digests.values())) == 1, digests
+
+
+# ---- dispatcher: opcheck, bound lists, torch.compile ------------------------------------------
+@pytest.mark.parametrize("kind", ["sgd", "lion"])
+@pytest.mark.parametrize("dtype,mode", [(torch.float32, 0), (torch.bfloat16, 4)])
+def test_opcheck(kind, dtype, mode):
+    """Schema (scalars keyword-only), fake kernel and aot dispatch of both ops on CPU."""
+    c = make_case([301], dtype, mode)
+    args = (c["params"], c["grads"], c["codes"], c["absmax"], c["masters"], c["steps"],
+            q4.signed4_map())
+    kwargs = dict(block_size=BLOCK, lr_tensor=None, **{**HYPER[kind], "weight_decay": 0.01},
+                  master_mode=mode, grad_scale=torch.tensor(2.0), found_inf=torch.zeros(()),
+                  seed=3)
+    torch.library.opcheck(OPS[OP[kind]].overload, args, kwargs)
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["sgd", "lion"])
+def test_bound_lists_compute_the_plain_call(kind):
+    from mpfused.ops.bound import BoundOp
+    c = make_case([500, 3, 0], torch.bfloat16, 2, steps=(0,))
+    plain, bound = clone(c), clone(c)
+    call = BoundOp(OPS[OP[kind]], [bound["params"], bound["codes"], bound["absmax"],
+                                   bound["masters"], bound["steps"]], [4, 1, 9], [0, 8, 0])
+    hyper = tuple(HYPER[kind].values())
+    rest = (q4.signed4_map(), BLOCK, hyper[0], None, *hyper[1:], 2, None, None, None, 0.0, 5)
+    for _ in range(2):
+        OPS[OP[kind]](plain["params"], plain["grads"], plain["codes"], plain["absmax"],
+                      plain["masters"], plain["steps"], *rest, [4, 1, 9], [0, 8, 0],
+                      backend="native")
+        call(bound["grads"], *rest, backend="native")
+    assert call._native is not None  # the C++ lists served the calls
+    for k in KEYS:
+        assert all(torch.equal(bits(a), bits(b)) for a, b in zip(plain[k], bound[k])), k
+
+
+@pytest.mark.parametrize("cls", ["SGD4bit", "Lion4bit"])
+def test_compiled_optimizer_step_equals_eager(cls, monkeypatch):
+    """tests/test_compile_sgd_lion.py's check: fullgraph, bit-equal to eager, no recompile."""
+    import mpfused
+    from tests import test_compile_sgd_lion as tc
+    kwargs = dict(min_8bit_size=256, **(dict(momentum=0.9, nesterov=True)
+                                        if cls == "SGD4bit" else {}))
+    monkeypatch.setitem(tc.CASES, cls, (getattr(mpfused, cls), kwargs, OP[cls[:-4].lower()]))
+    torch._dynamo.reset()
+    tc.counters.clear()
+    eager = tc._optimizer_loop(False, getattr(mpfused, cls), kwargs)
+    compiled = tc._optimizer_loop(True, getattr(mpfused, cls), kwargs)
+    torch._dynamo.reset()
+    assert any(t.dtype == torch.uint8 for t in compiled)  # 4-bit state was traced
+    assert len(eager) == len(compiled)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+    assert 1 <= tc.counters["stats"]["unique_graphs"] <= 2

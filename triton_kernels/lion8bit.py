@@ -31,7 +31,8 @@ def _lion8bit_kernel(p_ptr, g_ptr, c_ptr, a_ptr, w_ptr, map_ptr, thr_ptr, step_p
                      scale_ptr, found_ptr, norm_ptr, n, lr_bits, beta1_bits, beta2_bits, wd_bits,
                      mgn_bits, zero_code, seed, stream, DT: tl.constexpr, MODE: tl.constexpr,
                      HAS_LR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FOUND: tl.constexpr,
-                     HAS_NORM: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr = 8):
+                     HAS_NORM: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr,
+                     BITS: tl.constexpr = 8):
     if HAS_FOUND:
         if tl.load(found_ptr) > 0.0:  # skipped step: nothing is touched
             return
