@@ -238,6 +238,15 @@ def test_min_size_split_and_group_rules():
         mpfused.Lion4bit([big], block_size=100)
 
 
+def test_exports_and_setup():
+    for cls in (mpfused.SGD4bit, mpfused.Lion4bit):
+        assert cls is getattr(mpfused.optim, cls.__name__) and cls.__name__ in mpfused.__all__
+    assert type(mpfused.amp.setup(torch.nn.Linear(100, 64), optimizer="sgd4bit", momentum=0.9,
+                                  lr=0.1)[1]) is mpfused.SGD4bit
+    assert type(mpfused.amp.setup(torch.nn.Linear(100, 64), optimizer="lion4bit")[1]) \
+        is mpfused.Lion4bit
+
+
 @pytest.mark.parametrize("name", CASES)
 def test_bytes_per_param_and_estimate(name):
     case = CASES[name]
