@@ -1,7 +1,7 @@
 """sgd4bit_step_ / lion4bit_step_ (one block-wise 4-bit state, torchao's format of AdamW4bit's
 first moment) against their float64 references (mpfused/reference/sgd4bit.py, lion4bit.py), one
 step from identical inputs each time, on every backend; Triton (interpreter) = native bit for bit;
-the codec = AdamW4bit's m codec byte for byte; found_inf skips bit-exactly; NaN; non-contiguous
+the codec = AdamW4bit's m codec byte for byte; found_inf skips bit-exactly; NaN and inf; non-contiguous
 params; every CPU ISA build and thread count bit-identical.
 
 Also opcheck, bound lists = the plain call, torch.compile of the optimizer step = eager.
@@ -177,6 +177,20 @@ def test_nan_grad_poisons_its_block_only(device, backend, kind):
     assert int((q4.unpack4(d["codes"][0], n) != q4.unpack4(ref["codes"][0], n))[keep].sum()) <= 2
     torch.testing.assert_close(d["absmax"][0][[0, 2, 3]], ref["absmax"][0][[0, 2, 3]],
                                rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["sgd", "lion"])
+def test_inf_grad_gives_an_inf_absmax(device, backend, kind):
+    """An inf state: its block's absmax is inf, x = s * (1 / inf) is 0 for the finite states and
+    NaN (code 0) for the inf one, as the reference encodes it."""
+    c = make_case([512], torch.float32, 0)
+    c["grads"][0][200] = float("inf")  # block 1
+    d, ref = clone(c), clone(c)
+    step(kind, d, backend)
+    step(kind, ref, "reference")
+    assert d["absmax"][0][1].item() == float("inf") == ref["absmax"][0][1].item()
+    got, want = q4.unpack4(d["codes"][0], 512), q4.unpack4(ref["codes"][0], 512)
+    assert torch.equal(got[128:256], want[128:256]) and got[200].item() == 0
 
 
 @pytest.mark.parametrize("kind", ["sgd", "lion"])
