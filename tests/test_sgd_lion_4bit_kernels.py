@@ -1,8 +1,8 @@
 """sgd4bit_step_ / lion4bit_step_ (one block-wise 4-bit state, torchao's format of AdamW4bit's
 first moment) against their float64 references (mpfused/reference/sgd4bit.py, lion4bit.py), one
 step from identical inputs each time, on every backend; Triton (interpreter) = native bit for bit;
-the codec = AdamW4bit's m codec byte for byte; found_inf skips bit-exactly; NaN and inf; non-contiguous
-params; every CPU ISA build and thread count bit-identical.
+the codec = AdamW4bit's m codec byte for byte; found_inf skips bit-exactly; NaN and inf;
+non-contiguous params; every CPU ISA build and thread count bit-identical.
 
 Also opcheck, bound lists = the plain call, torch.compile of the optimizer step = eager.
 
