@@ -135,7 +135,8 @@ def test_matches_reference(device, backend, kind, opt, dtype, mode):
     if backend == "reference":
         pytest.skip("the reference is what is compared against")
     # odd sizes, partial blocks, a 1-element and an empty tensor; natively a multi-chunk one
-    sizes = [701, 128, 1, 0, 257] + ([70001] if backend == "native" else [])
+    # (with the first options only: the float64 reference of 70001 elements costs seconds)
+    sizes = [701, 128, 1, 0, 257] + ([70001] if backend == "native" and opt == 0 else [])
     c = make_case(sizes, dtype, mode, steps=(3, 0, 9), seed=int(torch.randint(1 << 30, ())))
     # unscale by 2 and clip (norm 4, max 1): mult = 1/8, as fp32
     run_both(kind, c, backend, mult=0.125, grad_scale=torch.tensor(2.0),
@@ -300,7 +301,7 @@ sys.path.insert(0, sys.argv[2])
 from tests.test_sgd_lion_4bit_kernels import CASES, KEYS, make_case, step
 h = hashlib.sha256()
 for kind in ("sgd", "lion"):
-    for dtype, mode in CASES:  # tiles, blocks and a multi-chunk tensor; first and later steps
+    for dtype, mode in [CASES[i] for i in (0, 1, 5, 6)]:  # fp32, fp32 master, SR, remainder8
         c = make_case([1, 63, 64, 65, 1001, 70001], dtype, mode, 128, steps=(0, 4),
                       seed=int(sys.argv[1]))
         for _ in range(2):
