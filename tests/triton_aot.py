@@ -1,8 +1,8 @@
 """Compile every Triton kernel specialization that mpfused's optimizers and scaler launch, ahead of
 time for a CUDA target, on a machine without a GPU (run by tests/test_triton_compile.py). The
 optimizers are driven through their classes (AdamW, Adam, AdamW8bit, Adam8bit, SGD, Lion, SGD8bit,
-Lion8bit), so what compiles is what they launch; the scaler's ops and the > 2^31-element sizes
-are called directly.
+Lion8bit, SGD4bit, Lion4bit), so what compiles is what they launch; the scaler's ops and the
+> 2^31-element sizes are called directly.
 
 The rest of the suite runs the Triton kernels under TRITON_INTERPRET=1, which never lowers them:
 a kernel the interpreter accepts can still fail to compile, or compile to code that differs from
@@ -279,6 +279,23 @@ def drive_64bit_sizes():
                        None, one(), 1.0)
 
 
+def drive_onestate4bit():
+    """Through mpfused.SGD4bit / Lion4bit (the one-state kernels with BITS = 4): every master
+    mode with all options on, and the default block size alone."""
+    for cls, flags, options in (
+            (mpfused.SGD4bit, ("nesterov", "maximize", "lr_tensor", "scaler", "clip"),
+             lambda on: dict(momentum=0.9, nesterov="nesterov" in on, min_8bit_size=1)),
+            (mpfused.Lion4bit, ("maximize", "lr_tensor", "scaler", "clip"),
+             lambda on: dict(min_8bit_size=1))):
+        for master in ("fp32", "none", "remainder", "remainder8"):
+            dtypes = [torch.bfloat16] if master.startswith("remainder") else ALL_DTYPES
+            opt = cls(_params(dtypes), lr=torch.tensor(1e-3), weight_decay=0.1, maximize=True,
+                      master_weights=master, max_grad_norm=1.0, backend="triton",
+                      **options(flags))
+            _step(opt, True)
+        _step(cls(_params([torch.float32]), backend="triton", **options(())), False)
+
+
 def _step(opt, with_scaler: bool):
     if with_scaler:
         scaler = mpfused.GradScaler("cpu", backend="triton")
@@ -304,7 +321,7 @@ def main():
         registry.triton_usable = lambda device_type: device_type == "cpu" or usable(device_type)
         errors = []
         for drive in (drive_adam, drive_adam8bit, drive_sgd, drive_lion, drive_sgd8bit,
-                      drive_lion8bit, drive_scaler, drive_64bit_sizes):
+                      drive_lion8bit, drive_onestate4bit, drive_scaler, drive_64bit_sizes):
             try:
                 drive()
             except Exception as e:  # report, and let the other drivers run

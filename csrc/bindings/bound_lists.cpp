@@ -155,6 +155,40 @@ struct BoundLists : torch::CustomClassHolder {
             beta1, beta2, weight_decay, maximize, master_mode, grad_scale, found_inf, norm_sq,
             max_grad_norm, seed, param_ids, elem_offsets);
   }
+
+  // sgd4bit_step_ / lion4bit_step_: the schemas of sgd8bit_step_ / lion8bit_step_ (4-bit codes,
+  // a 16-entry map).
+  void sgd4bit_step_(at::TensorList grads, const at::Tensor& qmap, int64_t block_size, double lr,
+                     const std::optional<at::Tensor>& lr_tensor, double momentum,
+                     double dampening, double weight_decay, bool nesterov, bool maximize,
+                     int64_t master_mode, const std::optional<at::Tensor>& grad_scale,
+                     const std::optional<at::Tensor>& found_inf,
+                     const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
+                     int64_t seed) {
+    expect_lists(5, "sgd4bit_step_", "params, momentum_buffers, absmaxs, masters, steps");
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("mpfused::sgd4bit_step_", "")
+                               .typed<Sgd8bitStepFn>();
+    op.call(list(0), grads, list(1), list(2), list(3), list(4), qmap, block_size, lr, lr_tensor,
+            momentum, dampening, weight_decay, nesterov, maximize, master_mode, grad_scale,
+            found_inf, norm_sq, max_grad_norm, seed, param_ids, elem_offsets);
+  }
+
+  void lion4bit_step_(at::TensorList grads, const at::Tensor& qmap, int64_t block_size, double lr,
+                      const std::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
+                      double weight_decay, bool maximize, int64_t master_mode,
+                      const std::optional<at::Tensor>& grad_scale,
+                      const std::optional<at::Tensor>& found_inf,
+                      const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
+                      int64_t seed) {
+    expect_lists(5, "lion4bit_step_", "params, exp_avgs, absmaxs, masters, steps");
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("mpfused::lion4bit_step_", "")
+                               .typed<Lion8bitStepFn>();
+    op.call(list(0), grads, list(1), list(2), list(3), list(4), qmap, block_size, lr, lr_tensor,
+            beta1, beta2, weight_decay, maximize, master_mode, grad_scale, found_inf, norm_sq,
+            max_grad_norm, seed, param_ids, elem_offsets);
+  }
 };
 
 }  // namespace
@@ -169,7 +203,9 @@ TORCH_LIBRARY_FRAGMENT(mpfused, m) {
       .def("sgd_step_", &BoundLists::sgd_step_)
       .def("lion_step_", &BoundLists::lion_step_)
       .def("sgd8bit_step_", &BoundLists::sgd8bit_step_)
-      .def("lion8bit_step_", &BoundLists::lion8bit_step_);
+      .def("lion8bit_step_", &BoundLists::lion8bit_step_)
+      .def("sgd4bit_step_", &BoundLists::sgd4bit_step_)
+      .def("lion4bit_step_", &BoundLists::lion4bit_step_);
 }
 
 }  // namespace mpfused::bind

@@ -56,6 +56,8 @@ class Op:
     triton_path: str | None = None  # "module:function", imported on first use
     routes: dict = field(default_factory=dict, repr=False)  # device type -> what torch.ops runs
     native_keys: dict = field(default_factory=dict, repr=False)  # device type -> extension kernel?
+    positional_count: int = 0  # schema arguments before `*`
+    keyword_only: tuple = ()  # the names of those after it
     _overload: object = field(default=None, repr=False)
     _triton_fn: Callable | None = field(default=None, repr=False)
 
@@ -114,20 +116,31 @@ class Op:
         return {"native": self.overload, "triton": self.triton,
                 "reference": self.reference}[backend]
 
-    def __call__(self, *args, backend: str | None = None):
+    def _as_keywords(self, args, kwargs):
+        """A positional call of a schema with keyword-only scalars (sgd4bit_step_,
+        lion4bit_step_: written keyword-only ahead of the other ops) passes its trailing
+        arguments by name. Bridge until every call site passes scalars by keyword."""
+        n, names = self.positional_count, self.keyword_only
+        if names and len(args) > n:
+            kwargs = {**dict(zip(names, args[n:])), **kwargs}
+            args = args[:n]
+        return args, kwargs
+
+    def __call__(self, *args, backend: str | None = None, **kwargs):
+        args, kwargs = self._as_keywords(args, kwargs)
         if backend is None or backend == "auto":
-            return self.overload(*args)
+            return self.overload(*args, **kwargs)
         if backend == "native" or not torch.compiler.is_compiling():
-            return self.impl(backend, _first_device_type(args))(*args)
-        return _run_eagerly(self, backend, args)
+            return self.impl(backend, _first_device_type(args))(*args, **kwargs)
+        return _run_eagerly(self, backend, args, kwargs)
 
 
 @torch.compiler.disable
-def _run_eagerly(op: "Op", backend: str, args):
+def _run_eagerly(op: "Op", backend: str, args, kwargs):
     """An explicit Triton/reference request under ``torch.compile`` runs eagerly behind a graph
     break: traced, its Python would be re-fused by the compiler and round differently from the
     eager step (the dispatcher op, the default, needs no break: it is one opaque node)."""
-    return op.impl(backend, _first_device_type(args))(*args)
+    return op.impl(backend, _first_device_type(args))(*args, **kwargs)
 
 
 def _first_device_type(args) -> str:
@@ -151,7 +164,10 @@ def define_op(schema: str, *, reference: Callable, fake: Callable | None = None,
     in_place = schema.endswith("-> ()")
     if in_place:
         reference = _no_derivative(reference)
-    op = Op(name=name, schema=schema, reference=reference, triton_path=triton)
+    arguments = torch._C.parse_schema(f"{NAMESPACE}::{schema}").arguments
+    op = Op(name=name, schema=schema, reference=reference, triton_path=triton,
+            positional_count=sum(not a.kwarg_only for a in arguments),
+            keyword_only=tuple(a.name for a in arguments if a.kwarg_only))
     torch.library.register_fake(qual, fake or _no_output_fake, lib=_LIB)
     torch.library.register_kernel(qual, "default", router.reference_kernel(op), lib=_LIB)
     if in_place:

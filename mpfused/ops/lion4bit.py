@@ -1,0 +1,24 @@
+"""Multi-tensor Lion step with a block-wise 4-bit moment (torchao's 4-bit format of AdamW4bit's
+first moment, see mpfused/quant4.py): exp_avgs are flat uint8 tensors of ceil(numel / 2) bytes,
+two codes each, into qmap (the signed 16-entry map, +0 inside), with one fp32 absmax per block of
+block_size elements. Nearest code, no sign rule.
+
+A separate op with lion8bit_step_'s schema, not a bits argument (as adam4bit_step_). Scalars are
+keyword-only (operands positional). The kernels are the 8-bit ones specialized on the code
+width: the same update (decoupled weight decay, maximize; NaN is kept, not signed to 0), master
+modes, in-kernel unscale (grad_scale), skip on found_inf > 0 (nothing changes, step counters
+included), fused clipping and stochastic-rounding streams. Native kernel: CPU only; on CUDA the
+router serves the Triton kernel."""
+from mpfused.ops.registry import define_op
+from mpfused.reference import lion4bit as ref
+
+lion4bit_step_ = define_op(
+    "lion4bit_step_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+    "Tensor(c!)[] absmaxs, Tensor(d!)[] masters, Tensor(e!)[] steps, Tensor qmap, *, "
+    "int block_size, float lr, Tensor? lr_tensor, float beta1, float beta2, "
+    "float weight_decay, bool maximize, int master_mode, Tensor? grad_scale=None, "
+    "Tensor? found_inf=None, Tensor? norm_sq=None, float max_grad_norm=0.0, int seed=0, "
+    "int[] param_ids=[], int[] elem_offsets=[]) -> ()",
+    reference=ref.lion4bit_step_,
+    triton="mpfused.triton_kernels.lion8bit:lion4bit_step_",
+)
