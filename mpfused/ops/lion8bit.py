@@ -16,7 +16,8 @@ from mpfused.reference import lion8bit as ref
 
 
 def _fake(params, grads, exp_avgs, absmaxs, masters, steps, qmap, *, block_size, lr, lr_tensor,
-          beta1, beta2, weight_decay, maximize, master_mode, grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0,
+          beta1, beta2, weight_decay, maximize, master_mode, grad_scale=None, found_inf=None,
+          norm_sq=None, max_grad_norm=0.0,
           seed=0, param_ids=(), elem_offsets=()):
     check_step("lion8bit_step_", params, grads, [("absmaxs", absmaxs, True)], masters, steps,
                codes=[("exp_avgs", exp_avgs)], qmaps=[("qmap", qmap)],
@@ -56,6 +57,7 @@ def lion8bit_step_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Ten
     route."""
     _op(params, grads, exp_avgs, absmaxs, masters, steps, qmap, block_size=block_size, lr=lr,
         lr_tensor=lr_tensor, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-        maximize=maximize, master_mode=master_mode, grad_scale=grad_scale, found_inf=found_inf, norm_sq=norm_sq,
+        maximize=maximize, master_mode=master_mode, grad_scale=grad_scale, found_inf=found_inf,
+        norm_sq=norm_sq,
         max_grad_norm=max_grad_norm, seed=seed, param_ids=param_ids, elem_offsets=elem_offsets,
         backend=backend)

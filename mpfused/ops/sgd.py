@@ -17,7 +17,8 @@ from mpfused.reference import sgd as ref
 
 
 def _fake(params, grads, momentum_buffers, masters, steps, *, lr, lr_tensor, momentum, dampening,
-          weight_decay, nesterov, maximize, master_mode, grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0,
+          weight_decay, nesterov, maximize, master_mode, grad_scale=None, found_inf=None,
+          norm_sq=None, max_grad_norm=0.0,
           seed=0, param_ids=(), elem_offsets=()):
     check_step("sgd_step_", params, grads, [("momentum_buffers", momentum_buffers, momentum != 0)],
                masters, steps, master_mode=master_mode, lr_tensor=lr_tensor, grad_scale=grad_scale,
@@ -55,6 +56,7 @@ def sgd_step_(params: list[Tensor], grads: list[Tensor], momentum_buffers: list[
     explicit implementation, else the dispatcher's route."""
     _op(params, grads, momentum_buffers, masters, steps, lr=lr, lr_tensor=lr_tensor,
         momentum=momentum, dampening=dampening, weight_decay=weight_decay, nesterov=nesterov,
-        maximize=maximize, master_mode=master_mode, grad_scale=grad_scale, found_inf=found_inf, norm_sq=norm_sq,
+        maximize=maximize, master_mode=master_mode, grad_scale=grad_scale, found_inf=found_inf,
+        norm_sq=norm_sq,
         max_grad_norm=max_grad_norm, seed=seed, param_ids=param_ids, elem_offsets=elem_offsets,
         backend=backend)
