@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from mpfused import _extension
-from mpfused.ops.registry import REQUIRED, Op
+from mpfused.ops.registry import REQUIRED
 
 _UNBUILT = object()
 _BOUND_KEYWORDS = ("param_ids", "elem_offsets")  # bound with the lists, not passed per call
@@ -32,7 +32,6 @@ class BoundOp:
 
     def __init__(self, op, lists: list[list[torch.Tensor]], param_ids=(), elem_offsets=()):
         op = getattr(op, "op", op)
-        assert isinstance(op, Op), op
         self.op = op
         # the keyword-only arguments a call passes, in schema order, with their defaults
         self._keywords = tuple(kw for kw in op.keyword_args if kw[0] not in _BOUND_KEYWORDS)
