@@ -62,17 +62,19 @@ class BoundOp:
         # BoundLists calls the dispatcher op: only where the router registered the native kernel
         if ((backend is None or backend in ("auto", "native")) and not torch.compiler.is_compiling()
                 and self.op.native_available(self.device_type) and self.native() is not None):
-            keys = scalars.keys()
-            if not (keys >= self._required and keys <= self._names):
-                raise TypeError(self._bad_keywords(scalars))
+            if scalars.keys() != self._names:  # the optimizers pass every keyword: one compare
+                self._check_keywords(scalars)
             return getattr(self._native, self.op.name)(
                 grads, *operands, *[scalars.get(name, d) for name, d in self._keywords])
         return self.op(self.lists[0], grads, *self.lists[1:], *operands, **scalars,
                        param_ids=self.param_ids, elem_offsets=self.elem_offsets, backend=backend)
 
-    def _bad_keywords(self, scalars) -> str:
+    def _check_keywords(self, scalars) -> None:
+        """Some keywords left to their defaults: fine unless a required one is missing or a name
+        is unknown (TypeError, as the plain call's)."""
         missing = sorted(self._required - scalars.keys())
         unknown = sorted(scalars.keys() - self._names)
-        return (f"mpfused: bound {self.op.name}: " + "; ".join(
-            ([f"missing keyword argument(s) {', '.join(missing)}"] if missing else [])
-            + ([f"unexpected keyword argument(s) {', '.join(unknown)}"] if unknown else [])))
+        if missing or unknown:
+            raise TypeError(f"mpfused: bound {self.op.name}: " + "; ".join(
+                ([f"missing keyword argument(s) {', '.join(missing)}"] if missing else [])
+                + ([f"unexpected keyword argument(s) {', '.join(unknown)}"] if unknown else [])))
