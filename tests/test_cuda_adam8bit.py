@@ -55,9 +55,9 @@ def no_host_sync():
         torch.cuda.set_sync_debug_mode(prev)
 
 
-def native(*args, op=OP):
+def native(*args, op=OP, **kwargs):
     with no_host_sync():
-        OPS[op](*args, backend="native")
+        OPS[op](*args, **kwargs, backend="native")
 
 
 def scalar(x, dtype=torch.float32, device=DEV):
@@ -171,31 +171,38 @@ class Q8Case:
         return [self.params, self.grads, self.c1, self.c2, self.a1, self.a2, self.masters,
                 self.steps]
 
-    def args(self, lists, mode=None, device=None):
+    def args(self, lists, device=None):
+        """adam8bit_step_'s operands: the lists and the two maps."""
+        q1, q2 = (self.qmap1, self.qmap2) if device is None else maps(self.bits, device)
+        return (*lists, q1, q2)
+
+    def kwargs(self, mode=None, device=None):
+        """adam8bit_step_'s keyword arguments."""
         h = self.hyper
 
         def on(t):
             return t if t is None or device is None else t.to(device)
 
-        q1, q2 = (self.qmap1, self.qmap2) if device is None else maps(self.bits, device)
-        return (*lists, q1, q2, self.block, self.lr, on(self.lr_tensor), h["beta1"], h["beta2"],
-                h["eps"], h["weight_decay"], h["maximize"], h["decoupled"],
-                self.mode if mode is None else mode, on(self.grad_scale), on(self.found_inf),
-                on(self.norm_sq), self.max_grad_norm, self.seed)
+        return dict(block_size=self.block, lr=self.lr, lr_tensor=on(self.lr_tensor),
+                    beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
+                    weight_decay=h["weight_decay"], maximize=h["maximize"],
+                    decoupled=h["decoupled"], master_mode=self.mode if mode is None else mode,
+                    grad_scale=on(self.grad_scale), found_inf=on(self.found_inf),
+                    norm_sq=on(self.norm_sq), max_grad_norm=self.max_grad_norm, seed=self.seed)
 
     def step_and_compare(self):
         """One native step against the reference (run from the same state)."""
         before = clone_lists(self.lists())
         ref = clone_lists(self.lists())
         reference = ref4.adam4bit_step_ if self.bits == 4 else ref8.adam8bit_step_
-        native(*self.args(self.lists()), op=self.op)
-        reference(*self.args(ref))
+        native(*self.args(self.lists()), op=self.op, **self.kwargs())
+        reference(*self.args(ref), **self.kwargs())
         # fp16 params ignore the remainder/stochastic modes (effective_master_mode): round to
         # nearest.
         ref16 = None
         if self.mode in (MASTER_REMAINDER, MASTER_STOCHASTIC, MASTER_REMAINDER8):
             ref16 = clone_lists(before)
-            reference(*self.args(ref16, mode=MASTER_NONE))
+            reference(*self.args(ref16), **self.kwargs(mode=MASTER_NONE))
         nat = self.lists()
         for i, p in enumerate(self.params):
             r = ref16 if (ref16 is not None and p.dtype == torch.float16) else ref
@@ -305,8 +312,8 @@ def test_matches_cpu_kernel_bitwise(mode, block):
     case = Q8Case(SIZES, dtype_cycle(MIXED, len(SIZES), mode), mode, block=block, grad_scale=256.0,
                   clip=True, lr_kind="cuda32", layouts=("contig", "offset", "contig"))
     cpu = clone_lists(case.lists(), device="cpu")
-    native(*case.args(case.lists()))
-    OPS[OP](*case.args(cpu, device="cpu"), backend="native")
+    native(*case.args(case.lists()), **case.kwargs())
+    OPS[OP](*case.args(cpu, device="cpu"), **case.kwargs(device="cpu"), backend="native")
     assert_lists_equal(case.lists(), cpu)
 
 
@@ -320,7 +327,7 @@ def test_skips_on_found_inf_bit_identical(found, layout):
                   grad_scale=1024.0, clip=True)
     case.found_inf.fill_(found)
     before = clone_lists(case.lists())
-    native(*case.args(case.lists()))
+    native(*case.args(case.lists()), **case.kwargs())
     assert_lists_equal(case.lists(), before, "a found_inf step must change nothing: ")
 
 
@@ -344,7 +351,7 @@ def test_bad_map_poisons_absmax_and_writes_nothing_else(bad):
         q1 = case.qmap2.clone()  # +0 at index 0
     case.qmap1 = q1
     before = clone_lists(case.lists())
-    native(*case.args(case.lists()))
+    native(*case.args(case.lists()), **case.kwargs())
     for k in (P, C1, C2, MA):
         for a, b in zip(case.lists()[k], before[k]):
             assert torch.equal(a, b)
@@ -359,19 +366,17 @@ def test_errors():
     with pytest.raises(RuntimeError, match="qmap1"):
         cpu_map = case.args(lists)
         cpu_map = (*cpu_map[:8], qm.signed_map("cpu"), *cpu_map[9:])
-        OPS[OP](*cpu_map, backend="native")
+        OPS[OP](*cpu_map, **case.kwargs(), backend="native")
     with pytest.raises(RuntimeError, match="absmax"):
         OPS[OP](*case.args(lists[:4] + [[a[:-1] for a in lists[A1]]] + lists[5:]),
-                backend="native")
+                **case.kwargs(), backend="native")
     with pytest.raises(RuntimeError, match="block_size"):
-        args = list(case.args(lists))
-        args[10] = 96
-        OPS[OP](*args, backend="native")
+        OPS[OP](*case.args(lists), **{**case.kwargs(), "block_size": 96}, backend="native")
     with pytest.raises(RuntimeError, match="master"):
-        OPS[OP](*case.args(lists[:6] + [[]] + lists[7:]), backend="native")
+        OPS[OP](*case.args(lists[:6] + [[]] + lists[7:]), **case.kwargs(), backend="native")
     case.grad_scale = torch.tensor(2.0)  # on the CPU
     with pytest.raises(RuntimeError, match="grad_scale"):
-        OPS[OP](*case.args(lists), backend="native")
+        OPS[OP](*case.args(lists), **case.kwargs(), backend="native")
 
 
 def test_optimizer_picks_native_cuda_and_needs_no_sync():
@@ -410,13 +415,13 @@ def test_cuda_graph_capture_matches_eager():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture (lazy module loading etc.)
-        native(*case.args(case.lists()))
+        native(*case.args(case.lists()), **case.kwargs())
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     restore()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        native(*case.args(case.lists()))
+        native(*case.args(case.lists()), **case.kwargs())
     restore()
 
     for it in range(5):
@@ -428,7 +433,7 @@ def test_cuda_graph_capture_matches_eager():
             ge.copy_(new)
         before = clone_lists(case.lists())
         graph.replay()
-        native(*case.args(eager))
+        native(*case.args(eager), **case.kwargs())
         torch.cuda.synchronize()
         assert_lists_equal(case.lists(), eager, f"replay {it}: ")
         if found:
@@ -441,7 +446,7 @@ def test_cuda_graph_capture_matches_eager():
 def test_opcheck(mode):
     case = Q8Case([7, (4, 3), 0, 1000], dtype_cycle(MIXED, 4, mode), mode, grad_scale=8.0, clip=True,
                   lr_kind="cuda32")
-    torch.library.opcheck(OPS[OP].overload, case.args(case.lists()))
+    torch.library.opcheck(OPS[OP].overload, case.args(case.lists()), case.kwargs())
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.mem_get_info()[0] < 24 * 2**30,
@@ -461,12 +466,14 @@ def test_beyond_int32_elements():
     p[tail] = torch.randn(n - start, device=DEV).bfloat16()
     g[tail] = torch.randn(n - start, device=DEV).bfloat16()
     saved = [x[tail].clone() for x in (p, g, c1, c2)] + [x[start // block:].clone() for x in (a1, a2)]
-    hyper = (qm.signed_map(DEV), qm.unsigned_map(DEV), block, 1e-3, None, 0.9, 0.999, 1e-8, 0.01,
-             False, True, MASTER_NONE, None, None, None, 0.0, 0)
+    maps = (qm.signed_map(DEV), qm.unsigned_map(DEV))
+    hyper = dict(block_size=block, lr=1e-3, lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8,
+                 weight_decay=0.01, maximize=False, decoupled=True, master_mode=MASTER_NONE,
+                 grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0, seed=0)
     step = scalar(0.0)
-    native([p], [g], [c1], [c2], [a1], [a2], [], [step], *hyper)
+    native([p], [g], [c1], [c2], [a1], [a2], [], [step], *maps, **hyper)
     sp, sg, sc1, sc2, sa1, sa2 = saved
-    ref8.adam8bit_step_([sp], [sg], [sc1], [sc2], [sa1], [sa2], [], [scalar(0.0)], *hyper)
+    ref8.adam8bit_step_([sp], [sg], [sc1], [sc2], [sa1], [sa2], [], [scalar(0.0)], *maps, **hyper)
     assert_close(p[tail], sp)
     assert_codes_close(c1[tail], sc1)
     assert_codes_close(c2[tail], sc2)

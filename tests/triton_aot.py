@@ -253,30 +253,42 @@ def drive_64bit_sizes():
         return torch.zeros(1, device="meta")
 
     bf16 = torch.bfloat16
-    adam_step_([big(bf16)], [big(bf16)], [big()], [big()], [big()], [big()], [one()], 1e-3,
-               one(), 0.9, 0.999, 1e-8, 0.1, True, False, True, 1, one(), None, one(), 1.0)
-    unscale_grads_([big(bf16)], one(), one(), one())
-    sgd_step_([big(bf16)], [big(bf16)], [big()], [big()], [one()], 1e-3, one(), 0.9, 0.0, 0.1,
-              True, False, 1, one(), None, one(), 1.0)
-    lion_step_([big(bf16)], [big(bf16)], [big()], [big()], [one()], 1e-4, one(), 0.9, 0.99, 0.1,
-               False, 1, one(), None, one(), 1.0)
+    adam_step_([big(bf16)], [big(bf16)], [big()], [big()], [big()], [big()], [one()], lr=1e-3,
+               lr_tensor=one(), beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, amsgrad=True,
+               maximize=False, decoupled=True, master_mode=1, grad_scale=one(), found_inf=None,
+               norm_sq=one(), max_grad_norm=1.0)
+    unscale_grads_([big(bf16)], one(), one(), norm_sq=one())
+    sgd_step_([big(bf16)], [big(bf16)], [big()], [big()], [one()], lr=1e-3, lr_tensor=one(),
+              momentum=0.9, dampening=0.0, weight_decay=0.1,
+              nesterov=True, maximize=False, master_mode=1, grad_scale=one(), found_inf=None,
+              norm_sq=one(), max_grad_norm=1.0)
+    lion_step_([big(bf16)], [big(bf16)], [big()], [big()], [one()], lr=1e-4, lr_tensor=one(),
+               beta1=0.9, beta2=0.99, weight_decay=0.1,
+               maximize=False, master_mode=1, grad_scale=one(), found_inf=None, norm_sq=one(),
+               max_grad_norm=1.0)
     blocks = (n + 255) // 256
     with mock.patch.object(adam8bit, "thresholds", lambda qmap: big(size=255)), \
             mock.patch.object(adam8bit, "zero_code", lambda qmap: 127):
         adam8bit.adam8bit_step_([big(bf16)], [big(bf16)], [big(torch.uint8)], [big(torch.uint8)],
                                 [big(size=blocks)], [big(size=blocks)], [big()], [one()],
-                                big(size=256), big(size=256), 256, 1e-3, one(), 0.9, 0.999, 1e-8,
-                                0.1, False, True, 1, one(), None, one(), 1.0)
+                                big(size=256), big(size=256), block_size=256, lr=1e-3,
+                                lr_tensor=one(), beta1=0.9, beta2=0.999, eps=1e-8,
+                                weight_decay=0.1, maximize=False, decoupled=True, master_mode=1,
+                                grad_scale=one(), found_inf=None, norm_sq=one(), max_grad_norm=1.0)
     with mock.patch.object(_quant8, "thresholds", lambda qmap: big(size=255)), \
             mock.patch.object(_quant8, "map_zero_code", lambda qmap: 127):
         from mpfused.triton_kernels.lion8bit import lion8bit_step_
         from mpfused.triton_kernels.sgd8bit import sgd8bit_step_
         sgd8bit_step_([big(bf16)], [big(bf16)], [big(torch.uint8)], [big(size=blocks)], [big()],
-                      [one()], big(size=256), 256, 1e-3, one(), 0.9, 0.0, 0.1, True, False, 1,
-                      one(), None, one(), 1.0)
+                      [one()], big(size=256), block_size=256, lr=1e-3, lr_tensor=one(),
+                      momentum=0.9, dampening=0.0, weight_decay=0.1, nesterov=True, maximize=False,
+                      master_mode=1,
+                      grad_scale=one(), found_inf=None, norm_sq=one(), max_grad_norm=1.0)
         lion8bit_step_([big(bf16)], [big(bf16)], [big(torch.uint8)], [big(size=blocks)], [big()],
-                       [one()], big(size=256), 256, 1e-4, one(), 0.9, 0.99, 0.1, False, 1, one(),
-                       None, one(), 1.0)
+                       [one()], big(size=256), block_size=256, lr=1e-4, lr_tensor=one(), beta1=0.9,
+                       beta2=0.99, weight_decay=0.1, maximize=False, master_mode=1,
+                       grad_scale=one(),
+                       found_inf=None, norm_sq=one(), max_grad_norm=1.0)
 
 
 def drive_onestate4bit():

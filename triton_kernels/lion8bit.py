@@ -55,7 +55,7 @@ def _lion8bit_kernel(p_ptr, g_ptr, c_ptr, a_ptr, w_ptr, map_ptr, thr_ptr, step_p
 
 
 @on_tensors_device
-def lion8bit_step_(params, grads, exp_avgs, absmaxs, masters, steps, qmap, block_size, lr,
+def lion8bit_step_(params, grads, exp_avgs, absmaxs, masters, steps, qmap, *, block_size, lr,
                    lr_tensor, beta1, beta2, weight_decay, maximize, master_mode, grad_scale=None,
                    found_inf=None, norm_sq=None, max_grad_norm=0.0, seed=0, param_ids=(),
                    elem_offsets=(), _bits=8):

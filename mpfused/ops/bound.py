@@ -9,24 +9,34 @@ the grads. Under ``torch.compile``, where the dispatcher does not run the native
 with an explicit Triton/reference ``backend=`` or without the extension it calls the op with the
 plain lists, so every path computes the same thing. The op's trailing
 ``param_ids`` and ``elem_offsets`` (the stochastic-rounding keys) are fixed per bucket too: they
-are bound with the lists, and a call passes every argument up to ``seed``.
+are bound with the lists. A call passes the grads, the operand tensors after the lists (the 8-bit
+maps) positionally and the scalars by keyword, as the op's wrapper takes them; the native path
+puts the scalars in schema order for the BoundLists method (whose C++ signature is the op's:
+keyword-only schema arguments are positional in C++), filling in the schema's defaults.
 """
 from __future__ import annotations
 
 import torch
 
 from mpfused import _extension
-from mpfused.ops.registry import Op
+from mpfused.ops.registry import REQUIRED
 
 _UNBUILT = object()
+_BOUND_KEYWORDS = ("param_ids", "elem_offsets")  # bound with the lists, not passed per call
 
 
 class BoundOp:
-    """``op(lists[0], grads, *lists[1:], *rest, param_ids, elem_offsets)`` with ``lists``,
-    ``param_ids`` and ``elem_offsets`` bound once."""
+    """``op(lists[0], grads, *lists[1:], *operands, **scalars, param_ids=..., elem_offsets=...)``
+    with ``lists``, ``param_ids`` and ``elem_offsets`` bound once. ``op``: the op's wrapper (e.g.
+    ``mpfused.ops.adam.adam_step_``) or its ``Op``."""
 
-    def __init__(self, op: Op, lists: list[list[torch.Tensor]], param_ids=(), elem_offsets=()):
+    def __init__(self, op, lists: list[list[torch.Tensor]], param_ids=(), elem_offsets=()):
+        op = getattr(op, "op", op)
         self.op = op
+        # the keyword-only arguments a call passes, in schema order, with their defaults
+        self._keywords = tuple(kw for kw in op.keyword_args if kw[0] not in _BOUND_KEYWORDS)
+        self._names = frozenset(name for name, _ in self._keywords)
+        self._required = frozenset(name for name, d in self._keywords if d is REQUIRED)
         self.lists = lists
         self.param_ids = [int(i) for i in param_ids]
         self.elem_offsets = [int(o) for o in elem_offsets]
@@ -47,10 +57,24 @@ class BoundOp:
                     pass
         return self._native
 
-    def __call__(self, grads: list[torch.Tensor], *rest, backend: str | None = None):
+    def __call__(self, grads: list[torch.Tensor], *operands, backend: str | None = None,
+                 **scalars):
         # BoundLists calls the dispatcher op: only where the router registered the native kernel
         if ((backend is None or backend in ("auto", "native")) and not torch.compiler.is_compiling()
                 and self.op.native_available(self.device_type) and self.native() is not None):
-            return getattr(self._native, self.op.name)(grads, *rest)
-        return self.op(self.lists[0], grads, *self.lists[1:], *rest, self.param_ids,
-                       self.elem_offsets, backend=backend)
+            if scalars.keys() != self._names:  # the optimizers pass every keyword: one compare
+                self._check_keywords(scalars)
+            return getattr(self._native, self.op.name)(
+                grads, *operands, *[scalars.get(name, d) for name, d in self._keywords])
+        return self.op(self.lists[0], grads, *self.lists[1:], *operands, **scalars,
+                       param_ids=self.param_ids, elem_offsets=self.elem_offsets, backend=backend)
+
+    def _check_keywords(self, scalars) -> None:
+        """Some keywords left to their defaults: fine unless a required one is missing or a name
+        is unknown (TypeError, as the plain call's)."""
+        missing = sorted(self._required - scalars.keys())
+        unknown = sorted(scalars.keys() - self._names)
+        if missing or unknown:
+            raise TypeError(f"mpfused: bound {self.op.name}: " + "; ".join(
+                ([f"missing keyword argument(s) {', '.join(missing)}"] if missing else [])
+                + ([f"unexpected keyword argument(s) {', '.join(unknown)}"] if unknown else [])))

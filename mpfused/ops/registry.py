@@ -11,11 +11,17 @@ Dispatch model: one router, torch's dispatcher
 * ``router.route_all`` (at ``import mpfused``) then decides once, per op and dispatch key, what
   ``torch.ops.mpfused.<op>`` runs: native, else Triton on CUDA (registered as the CUDA kernel),
   else the reference; ``MPFUSED_BACKEND`` (read then, once) forces one. See ``router.py``.
-* ``op(*args)`` is the dispatcher op: what the optimizers run is what ``opcheck`` checks and what
-  ``torch.compile`` traces. ``op(*args, backend=...)`` (the per-object ``backend=`` of the
-  optimizers, the scaler, ``clip_grad_norm_``) is an explicit test/debug request: it calls that
-  implementation directly (native: only where the router registered it), and raises when it is
-  unavailable.
+* Every schema takes its operands (tensor lists, operand tensors) positionally and every scalar,
+  option and optional tensor after ``*`` (keyword-only), as torch's ``_fused_adamw_``. Each op has
+  one typed wrapper beside its schema (``mpfused/ops/<family>.py``, registered with ``op.wraps``):
+  the entry the package calls, with a docstring, the schema's parameter names and ``backend=``.
+* ``op(*operands, **scalars)`` is the dispatcher op: what the optimizers run is what ``opcheck``
+  checks and what ``torch.compile`` traces. ``op(..., backend=...)`` (the per-object ``backend=``
+  of the optimizers, the scaler, ``clip_grad_norm_``) is an explicit test/debug request: it calls
+  that implementation directly (native: only where the router registered it), and raises when it
+  is unavailable. The reference and Triton functions take the schema's keyword names (the
+  dispatcher passes keyword-only arguments to Python kernels as keywords, leaving out those equal
+  to their default).
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ NAMESPACE = "mpfused"
 BACKENDS = router.BACKENDS
 _LIB = torch.library.Library(NAMESPACE, "DEF")
 OPS: dict[str, "Op"] = {}
+REQUIRED = object()  # Op.keyword_args: a keyword-only argument without a default
 
 
 def triton_usable(device_type: str) -> bool:
@@ -56,10 +63,25 @@ class Op:
     triton_path: str | None = None  # "module:function", imported on first use
     routes: dict = field(default_factory=dict, repr=False)  # device type -> what torch.ops runs
     native_keys: dict = field(default_factory=dict, repr=False)  # device type -> extension kernel?
-    positional_count: int = 0  # schema arguments before `*`
-    keyword_only: tuple = ()  # the names of those after it
+    wrapper: Callable | None = field(default=None, repr=False)  # the typed entry (op.wraps)
     _overload: object = field(default=None, repr=False)
     _triton_fn: Callable | None = field(default=None, repr=False)
+
+    def wraps(self, fn: Callable) -> Callable:
+        """Register ``fn`` as the op's typed wrapper (``fn.op`` is this op) and return it."""
+        self.wrapper = fn
+        fn.op = self
+        return fn
+
+    @functools.cached_property
+    def keyword_args(self) -> tuple:
+        """The keyword-only arguments in schema order: (name, default or REQUIRED) pairs."""
+        out = []
+        for a in torch._C.parse_schema(self.schema).arguments:
+            if a.kwarg_only:
+                default = a.default_value if a.has_default_value() else REQUIRED
+                out.append((a.name, tuple(default) if isinstance(default, list) else default))
+        return tuple(out)
 
     @property
     def triton(self) -> Callable | None:
@@ -116,18 +138,7 @@ class Op:
         return {"native": self.overload, "triton": self.triton,
                 "reference": self.reference}[backend]
 
-    def _as_keywords(self, args, kwargs):
-        """A positional call of a schema with keyword-only scalars (sgd4bit_step_,
-        lion4bit_step_: written keyword-only ahead of the other ops) passes its trailing
-        arguments by name. Bridge until every call site passes scalars by keyword."""
-        n, names = self.positional_count, self.keyword_only
-        if names and len(args) > n:
-            kwargs = {**dict(zip(names, args[n:])), **kwargs}
-            args = args[:n]
-        return args, kwargs
-
     def __call__(self, *args, backend: str | None = None, **kwargs):
-        args, kwargs = self._as_keywords(args, kwargs)
         if backend is None or backend == "auto":
             return self.overload(*args, **kwargs)
         if backend == "native" or not torch.compiler.is_compiling():
@@ -164,10 +175,7 @@ def define_op(schema: str, *, reference: Callable, fake: Callable | None = None,
     in_place = schema.endswith("-> ()")
     if in_place:
         reference = _no_derivative(reference)
-    arguments = torch._C.parse_schema(f"{NAMESPACE}::{schema}").arguments
-    op = Op(name=name, schema=schema, reference=reference, triton_path=triton,
-            positional_count=sum(not a.kwarg_only for a in arguments),
-            keyword_only=tuple(a.name for a in arguments if a.kwarg_only))
+    op = Op(name=name, schema=schema, reference=reference, triton_path=triton)
     torch.library.register_fake(qual, fake or _no_output_fake, lib=_LIB)
     torch.library.register_kernel(qual, "default", router.reference_kernel(op), lib=_LIB)
     if in_place:

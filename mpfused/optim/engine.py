@@ -262,12 +262,13 @@ class FusedOptimizer(Optimizer):
         """The bucket's state lists and its bound op, ``b.state["step_"]``."""
         raise NotImplementedError(f"{type(self).__name__} must define _fill_operands")
 
-    def _hyper(self, group, device) -> tuple:
-        """The group's scalars as the op takes them (a tensor lr on ``device``)."""
+    def _hyper(self, group, device) -> dict:
+        """The group's scalars as the op takes them, by keyword (a tensor lr on ``device``)."""
         raise NotImplementedError(f"{type(self).__name__} must define _hyper")
 
     def _launch(self, b, grads, group, hyper, scaling) -> None:
-        """One op call for bucket ``b``."""
+        """One op call for bucket ``b``: ``hyper`` (``_hyper``) and ``scaling`` (grad_scale,
+        found_inf, norm_sq, max_grad_norm, seed) are keyword dicts."""
         raise NotImplementedError(f"{type(self).__name__} must define _launch")
 
     # ---- step -------------------------------------------------------------------------------
@@ -316,8 +317,9 @@ class FusedOptimizer(Optimizer):
                 dev = b.state["local_params"][0].device
                 self._launch(b, b.take(grads), group,
                              self._hyper(group, dev),
-                             (_on(grad_scale, dev), _on(found_inf, dev), _on(norm_sq, dev),
-                              float(self.max_grad_norm or 0.0), self._seed))
+                             dict(grad_scale=_on(grad_scale, dev), found_inf=_on(found_inf, dev),
+                                  norm_sq=_on(norm_sq, dev),
+                                  max_grad_norm=float(self.max_grad_norm or 0.0), seed=self._seed))
         return loss
 
     def _own_norm(self, all_grads, grad_scale, found_inf, one_device: bool = False):

@@ -32,7 +32,7 @@ __all__ = ["Lion4bit"]
 class Lion4bit(State8bit, Lion):
     _QUANT_STATES = (("exp_avg", "signed"),)
     _STATE_BITS = 4
-    _OP_8BIT = lion4bit_ops.lion4bit_step_
+    _OP_8BIT = lion4bit_ops.lion4bit_step_.op
 
     def __init__(self, params, lr: float | Tensor = 1e-4, betas=(0.9, 0.99),
                  weight_decay: float = 0.0, *, block_size: int = 128, min_8bit_size: int = 4096,
@@ -45,5 +45,5 @@ class Lion4bit(State8bit, Lion):
                          backend=backend, seed=seed, foreach=foreach, fused=fused,
                          differentiable=differentiable)
 
-    def _flags_8bit(self, group) -> tuple:
-        return (bool(group["maximize"]),)
+    def _flags_8bit(self, group) -> dict:
+        return dict(maximize=bool(group["maximize"]))

@@ -307,9 +307,9 @@ class GradRelease:
             clip_sq = self._clip.norm_sq_for(self._ids_of(group_index, ready, plan), sq, found)
         for b, gs, dev, _, _ in checked:
             opt._launch(b, gs, group, opt._hyper(group, dev),
-                        (self._scale_on(dev), found.to(dev),
-                         None if clip_sq is None else clip_sq.to(dev),
-                         float(opt.max_grad_norm or 0.0), opt._seed))
+                        dict(grad_scale=self._scale_on(dev), found_inf=found.to(dev),
+                             norm_sq=None if clip_sq is None else clip_sq.to(dev),
+                             max_grad_norm=float(opt.max_grad_norm or 0.0), seed=opt._seed))
         self._record(found)
 
     def _ids_of(self, group_index: int, ready: tuple, plan) -> torch.Tensor:
@@ -351,7 +351,8 @@ class GradRelease:
                else scale.double().reciprocal().float())
         per_grad = (torch.zeros(len(grads), dtype=torch.float32, device=device)
                     if self._clip is not None else None)
-        amp_ops.check_grads(grads, found, inv, None, per_grad, backend=self.optimizer._backend)
+        amp_ops.check_grads(grads, found, inv, norm_sq_per_tensor=per_grad,
+                            backend=self.optimizer._backend)
         return found, per_grad
 
     def _record(self, found) -> None:

@@ -34,7 +34,7 @@ __all__ = ["SGD4bit"]
 class SGD4bit(State8bit, SGD):
     _QUANT_STATES = (("momentum_buffer", "signed"),)
     _STATE_BITS = 4
-    _OP_8BIT = sgd4bit_ops.sgd4bit_step_
+    _OP_8BIT = sgd4bit_ops.sgd4bit_step_.op
     _TORCH_GROUP_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize",
                          "foreach", "differentiable", "fused")
 
@@ -59,5 +59,5 @@ class SGD4bit(State8bit, SGD):
             raise ValueError(f"{where} momentum={group['momentum']!r}: SGD4bit needs momentum "
                              "> 0 (the 4-bit state is the momentum buffer); use mpfused.SGD")
 
-    def _flags_8bit(self, group) -> tuple:
-        return bool(group["nesterov"]), bool(group["maximize"])
+    def _flags_8bit(self, group) -> dict:
+        return dict(nesterov=bool(group["nesterov"]), maximize=bool(group["maximize"]))
