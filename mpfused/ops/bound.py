@@ -10,12 +10,18 @@ with an explicit Triton/reference ``backend=`` or without the extension it calls
 plain lists, so every path computes the same thing. The op's trailing
 ``param_ids`` and ``elem_offsets`` (the stochastic-rounding keys) are fixed per bucket too: they
 are bound with the lists, and a call passes every argument up to ``seed``.
+
+Gradient release (mpfused/optim/release.py) arms a call with ``check_first``: the release
+bucket's non-finite check, its flags recorded, then the step, in one native call
+(``BoundLists.released_<op>``); every other path runs ``check_and_record`` (the check op, the
+same flags) and then the plain call.
 """
 from __future__ import annotations
 
 import torch
 
 from mpfused import _extension
+from mpfused.ops import amp as amp_ops
 from mpfused.ops.registry import Op
 
 _UNBUILT = object()
@@ -32,6 +38,8 @@ class BoundOp:
         self.elem_offsets = [int(o) for o in elem_offsets]
         self.device_type = lists[0][0].device.type if lists[0] else "cpu"
         self._native = _UNBUILT
+        self._released = False  # the native lists have released_<op> (not a stale build)
+        self._pre = None  # check_first's arguments, for the next call only
 
     def native(self):
         """The lists held natively, built on first use; None without a usable extension (one
@@ -43,14 +51,39 @@ class BoundOp:
                     self._native = torch.classes.mpfused.BoundLists(
                         [t for tensors in self.lists for t in tensors], [len(t) for t in self.lists],
                         self.param_ids, self.elem_offsets)
+                    self._released = self._native._has_method("released_" + self.op.name)
                 except RuntimeError:  # a stale build: no such class
                     pass
         return self._native
 
+    def check_first(self, check_grads, found, inv_scale, found_total, skipped) -> None:
+        """Make the next call check ``check_grads`` before the step (``check_and_record``); that
+        call's found_inf must be ``found``."""
+        self._pre = (check_grads, found, inv_scale, found_total, skipped)
+
     def __call__(self, grads: list[torch.Tensor], *rest, backend: str | None = None):
+        pre, self._pre = self._pre, None
         # BoundLists calls the dispatcher op: only where the router registered the native kernel
         if ((backend is None or backend in ("auto", "native")) and not torch.compiler.is_compiling()
-                and self.op.native_available(self.device_type) and self.native() is not None):
+                and self.op.native_available(self.device_type) and self.native() is not None
+                and (pre is None or self._released)):
+            if pre is not None:
+                return getattr(self._native, "released_" + self.op.name)(*pre, grads, *rest)
             return getattr(self._native, self.op.name)(grads, *rest)
+        if pre is not None:
+            check_and_record(*pre, backend=backend)
         return self.op(self.lists[0], grads, *self.lists[1:], *rest, self.param_ids,
                        self.elem_offsets, backend=backend)
+
+
+def check_and_record(check_grads, found, inv_scale, found_total, skipped, per_grad=None,
+                     backend: str | None = None) -> None:
+    """A gradient-release bucket's check (what ``BoundLists.released_<op>`` does before the step,
+    csrc/bindings/bound_lists.cpp): ``found`` cleared, then set to 1 if a grad of
+    ``check_grads`` is non-finite once unscaled by ``inv_scale`` (``per_grad``: their sums of
+    squares, accumulated into); ``found_total = max(found_total, found)``, ``skipped += found >
+    0``. All in place, on the device."""
+    found.zero_()
+    amp_ops.check_grads(check_grads, found, inv_scale, None, per_grad, backend=backend)
+    torch.maximum(found_total, found, out=found_total)
+    skipped.add_((found > 0).to(skipped.device))

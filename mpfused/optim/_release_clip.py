@@ -47,6 +47,14 @@ class PreviousNormClip:
         self._unseen_prev = self._unseen_prev - self._prev.index_select(0, ids).sum()
         return self._seen + self._unseen_prev.clamp(min=0)  # (rounding can leave it at -eps)
 
+    def grow(self, n: int) -> None:
+        """n params appended (a param group added): their previous sums are zero."""
+        self._n += n
+        for name in ("_cur", "_prev"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, torch.cat([t, t.new_zeros(n)]))
+
     def state_dict(self) -> dict:
         cur = self._cur if self._cur is not None else torch.zeros(self._n)
         return {"clip_sq_per_param": cur.detach().clone()}
