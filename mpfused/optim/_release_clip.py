@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from mpfused.ops import amp as amp_ops
+
 
 class PreviousNormClip:
     def __init__(self, optimizer):
@@ -36,6 +38,20 @@ class PreviousNormClip:
         self._cur = torch.zeros(self._n, dtype=torch.float32, device=device)
         self._seen = torch.zeros((), dtype=torch.float32, device=device)
         self._unseen_prev = self._prev.sum()
+
+    def check_and_estimate(self, grad_lists, ids, found, inv_scale, found_total, skipped,
+                           backend=None) -> torch.Tensor:
+        """A release bucket's check (one check op per planner bucket, ``grad_lists``, in the
+        order of ``ids``: each grad's sum of squares, the non-finite flag ``found``, recorded as
+        ``check_and_record`` does) and then the squared norm it clips with."""
+        found.zero_()
+        sqs = []
+        for grads in grad_lists:
+            sqs.append(torch.zeros(len(grads), dtype=torch.float32, device=found.device))
+            amp_ops.check_grads(grads, found, inv_scale, None, sqs[-1], backend=backend)
+        torch.maximum(found_total, found, out=found_total)
+        skipped.add_((found > 0).to(skipped.device))
+        return self.norm_sq_for(ids, torch.cat(sqs).to(ids.device), found)
 
     def norm_sq_for(self, ids: torch.Tensor, per_param_sq: torch.Tensor, found) -> torch.Tensor:
         """The squared norm a release bucket clips with. ``ids``: its params' flat positions;

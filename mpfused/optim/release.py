@@ -17,10 +17,13 @@ Rules (README, "Gradient release"):
 * Gradient accumulation: backward passes under ``with release.accumulate():`` keep their grads;
   the next backward outside it steps with the accumulated grads and frees them (exact).
 * Non-finite grads: every release bucket (``bucket_bytes`` of params adjacent in backward order;
-  under DDP, DDP's bucket) is checked before its update (read-only pass, no host sync); a bucket
+  under DDP, DDP's bucket) is checked before its update (read-only pass, no host sync; in the
+  same native call as the bucket's first update launch where the native kernels serve); a bucket
   with an inf/NaN is not updated at all (params, masters, state, step counts untouched), the
   other buckets are. All-or-nothing is impossible once earlier buckets have stepped;
   ``release.skipped`` counts the skipped buckets of the last backward (a device tensor).
+* ``optimizer.add_param_group`` after attaching: the new group is released too (its release
+  buckets and hooks are made then; under DDP its params must be the DDP model's).
 * Clipping by the global norm cannot be known before the first update: ``max_grad_norm`` is
   refused unless ``clip="previous"``: each release bucket clips with the norm of this step's
   grads released so far (its own included) plus the previous step's norm of the grads not
@@ -45,7 +48,6 @@ from itertools import repeat
 
 import torch
 
-from mpfused.ops import amp as amp_ops
 from mpfused.ops.bound import BoundOp, check_and_record
 from mpfused.optim._release_clip import PreviousNormClip
 from mpfused.optim._state_table import epoch as state_epoch, tracked
@@ -322,17 +324,10 @@ class GradRelease:
                 first = None
                 check_and_record(ready_grads, found, inv, total, self.skipped,
                                  backend=opt._backend)
-        else:  # one norm for the release bucket, from all its parts
+        else:  # one norm for the release bucket, from all its parts' sums of squares
             first = None
-            found.zero_()
-            sqs = []
-            for _, gs in parts:
-                sqs.append(torch.zeros(len(gs), dtype=torch.float32, device=entry.device))
-                amp_ops.check_grads(gs, found, inv, None, sqs[-1], backend=opt._backend)
-            torch.maximum(total, found, out=total)
-            self.skipped.add_((found > 0).to(self.skipped.device))
-            sq = torch.cat(sqs).to(self.skipped.device)
-            clip_sq = self._clip.norm_sq_for(entry.clip_ids, sq, found)
+            clip_sq = self._clip.check_and_estimate([gs for _, gs in parts], entry.clip_ids,
+                                                    found, inv, total, self.skipped, opt._backend)
         scaling = (scale, found, clip_sq, float(opt.max_grad_norm or 0.0), opt._seed)
         try:
             hyper = opt._hyper(group, entry.device)
