@@ -88,10 +88,20 @@ def main(argv=None):
                 print(f"{name:>8} {threads}t rep {rep}: " + ", ".join(
                     f"{p['release']} {statistics.median(p['ratios']):.3f}x" for p in res),
                     flush=True)
+                path = write(args, trees, runs)  # after every child: a partial run is kept
+    for r in summarize(runs):
+        print(f"{r['tree']:>8} {r['threads']}t {r['release']:>32}: {r['ratio_median']:.3f}x "
+              f"(per child {r['ratio_median_per_child']}), same params {r['same_params']}")
+    print(f"wrote {path}")
+
+
+def summarize(runs: list) -> list[dict]:
     rows = []
-    for threads in args.threads:
-        for name in trees:
+    for threads in dict.fromkeys(r["threads"] for r in runs):
+        for name in dict.fromkeys(r["tree"] for r in runs):
             mine = [r for r in runs if r["tree"] == name and r["threads"] == threads]
+            if not mine:
+                continue
             for k, pair in enumerate(mine[0]["pairs"]):
                 ratios = [x for r in mine for x in r["pairs"][k]["ratios"]]
                 rows.append({
@@ -105,12 +115,13 @@ def main(argv=None):
                                              for r in mine],
                     "same_params": all(r["pairs"][k]["same_params"] for r in mine),
                     "rounds": len(ratios)})
-    for r in rows:
-        print(f"{r['tree']:>8} {r['threads']}t {r['release']:>32}: {r['ratio_median']:.3f}x "
-              f"(per child {r['ratio_median_per_child']}), same params {r['same_params']}")
+    return rows
+
+
+def write(args, trees: dict, runs: list) -> Path:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from benchmarks.common import write_results
-    path = write_results(args.out, "cpu", rows, extra={
+    return write_results(args.out, "cpu", summarize(runs), extra={
         "trees": {n: {"path": str(p), "commit": tree_commit(p)} for n, p in trees.items()},
         "model": "char GPT, small preset (0.64M params), bf16 autocast, mpfused.GradScaler "
                  "disabled (bf16), release bucket 256 KiB",
@@ -119,7 +130,6 @@ def main(argv=None):
                   "ratio = release / ordinary per round; ratio_median over all rounds of all "
                   "children of the (tree, threads); children alternate between trees",
         "warmup": args.warmup, "note": args.note, "runs": runs})
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
