@@ -13,12 +13,18 @@ are bound with the lists. A call passes the grads, the operand tensors after the
 maps) positionally and the scalars by keyword, as the op's wrapper takes them; the native path
 puts the scalars in schema order for the BoundLists method (whose C++ signature is the op's:
 keyword-only schema arguments are positional in C++), filling in the schema's defaults.
+
+Gradient release (mpfused/optim/release.py) arms a call with ``check_first``: the release
+bucket's non-finite check, its flags recorded, then the step, in one native call
+(``BoundLists.released_<op>``); every other path runs ``check_and_record`` (the check op, the
+same flags) and then the plain call.
 """
 from __future__ import annotations
 
 import torch
 
 from mpfused import _extension
+from mpfused.ops import amp as amp_ops
 from mpfused.ops.registry import REQUIRED
 
 _UNBUILT = object()
@@ -42,6 +48,8 @@ class BoundOp:
         self.elem_offsets = [int(o) for o in elem_offsets]
         self.device_type = lists[0][0].device.type if lists[0] else "cpu"
         self._native = _UNBUILT
+        self._released = False  # the native lists have released_<op> (not a stale build)
+        self._pre = None  # check_first's arguments, for the next call only
 
     def native(self):
         """The lists held natively, built on first use; None without a usable extension (one
@@ -53,19 +61,32 @@ class BoundOp:
                     self._native = torch.classes.mpfused.BoundLists(
                         [t for tensors in self.lists for t in tensors], [len(t) for t in self.lists],
                         self.param_ids, self.elem_offsets)
+                    self._released = self._native._has_method("released_" + self.op.name)
                 except RuntimeError:  # a stale build: no such class
                     pass
         return self._native
 
+    def check_first(self, check_grads, found, inv_scale, found_total, skipped) -> None:
+        """Make the next call check ``check_grads`` before the step (``check_and_record``); that
+        call's found_inf must be ``found``."""
+        self._pre = (check_grads, found, inv_scale, found_total, skipped)
+
     def __call__(self, grads: list[torch.Tensor], *operands, backend: str | None = None,
                  **scalars):
+        pre, self._pre = self._pre, None
         # BoundLists calls the dispatcher op: only where the router registered the native kernel
         if ((backend is None or backend in ("auto", "native")) and not torch.compiler.is_compiling()
-                and self.op.native_available(self.device_type) and self.native() is not None):
+                and self.op.native_available(self.device_type) and self.native() is not None
+                and (pre is None or self._released)):
             if scalars.keys() != self._names:  # the optimizers pass every keyword: one compare
                 self._check_keywords(scalars)
-            return getattr(self._native, self.op.name)(
-                grads, *operands, *[scalars.get(name, d) for name, d in self._keywords])
+            ordered = [scalars.get(name, d) for name, d in self._keywords]
+            if pre is not None:
+                return getattr(self._native, "released_" + self.op.name)(
+                    *pre, grads, *operands, *ordered)
+            return getattr(self._native, self.op.name)(grads, *operands, *ordered)
+        if pre is not None:
+            check_and_record(*pre, backend=backend)
         return self.op(self.lists[0], grads, *self.lists[1:], *operands, **scalars,
                        param_ids=self.param_ids, elem_offsets=self.elem_offsets, backend=backend)
 
@@ -78,3 +99,17 @@ class BoundOp:
             raise TypeError(f"mpfused: bound {self.op.name}: " + "; ".join(
                 ([f"missing keyword argument(s) {', '.join(missing)}"] if missing else [])
                 + ([f"unexpected keyword argument(s) {', '.join(unknown)}"] if unknown else [])))
+
+
+def check_and_record(check_grads, found, inv_scale, found_total, skipped, per_grad=None,
+                     backend: str | None = None) -> None:
+    """A gradient-release bucket's check (what ``BoundLists.released_<op>`` does before the step,
+    csrc/bindings/bound_lists.cpp): ``found`` cleared, then set to 1 if a grad of
+    ``check_grads`` is non-finite once unscaled by ``inv_scale`` (``per_grad``: their sums of
+    squares, accumulated into); ``found_total = max(found_total, found)``, ``skipped += found >
+    0``. All in place, on the device."""
+    found.zero_()
+    amp_ops.check_grads(check_grads, found, inv_scale, norm_sq=None, norm_sq_per_tensor=per_grad,
+                        backend=backend)
+    torch.maximum(found_total, found, out=found_total)
+    skipped.add_((found > 0).to(skipped.device))

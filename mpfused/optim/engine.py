@@ -70,7 +70,22 @@ class FusedOptimizer(Optimizer):
 
     def add_param_group(self, param_group) -> None:
         super().add_param_group(param_group)
-        params = self.param_groups[-1]["params"]
+        try:
+            self._check_new_group(self.param_groups[-1])
+        except ValueError as e:
+            self.param_groups.pop()  # nothing of the rejected group stays
+            raise ValueError(f"mpfused.{type(self).__name__}: {e}") from None
+        if self._grad_release is not None:  # gradient release attached: hooks for its params
+            try:
+                self._grad_release.add_group(len(self.param_groups) - 1)
+            except (ValueError, NotImplementedError):
+                self.param_groups.pop()  # refused by release: nothing of it stays
+                raise
+
+    def _check_new_group(self, group) -> None:
+        """ValueError naming the rule a new group breaks (a subclass adds its own rules and
+        defaults: State8bit)."""
+        params = group["params"]
         error = None
         if len({id(p) for p in params}) != len(params):
             error = ("a parameter appears twice in one param group; each param must appear once "
@@ -82,8 +97,7 @@ class FusedOptimizer(Optimizer):
                 error = (f"params of one param group must be on one device: params[{i}] is on "
                          f"{p.device}, params[0] on {params[0].device}")
         if error:
-            self.param_groups.pop()  # nothing of the rejected group stays
-            raise ValueError(f"mpfused.{type(self).__name__}: {error}")
+            raise ValueError(error)
 
     # ---- hooks and pickling ------------------------------------------------------------------
     # Beyond torch's defaults/state/param_groups, a pickled (or deep-copied) optimizer keeps these.

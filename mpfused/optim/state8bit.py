@@ -132,16 +132,11 @@ class State8bit:
         super()._setup_engine(*args)
         self.defaults.update(self._8bit_defaults)
 
-    def add_param_group(self, param_group) -> None:
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
+    def _check_new_group(self, group) -> None:
+        super()._check_new_group(group)
         for key, value in self._8bit_defaults.items():
             group.setdefault(key, value)
-        try:
-            self._check_group_8bit(group)
-        except ValueError as e:
-            self.param_groups.pop()  # nothing of the rejected group stays
-            raise ValueError(f"mpfused.{type(self).__name__}: {e}") from None
+        self._check_group_8bit(group)
 
     def _check_group_8bit(self, group, where: str = "param group") -> None:
         check_settings_8bit(group, where, self._STATE_BITS)
