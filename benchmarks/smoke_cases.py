@@ -114,11 +114,15 @@ def inputs(op: str, dtype_name: str, mode: str, gen, block: int = 256, count: in
                      maximize=False)
         return [p, g, ms, masters, steps], {**hyper, **tail}, p + ms + masters + steps
     q1 = qm.signed_map("cpu")
-    if op in ("sgd8bit_step_", "lion8bit_step_"):
-        cq = [qm.quantize_blockwise(s, q1, block) for s in state()]
+    if op in ("sgd8bit_step_", "lion8bit_step_", "sgd4bit_step_", "lion4bit_step_"):
+        quantize = qm.quantize_blockwise
+        if op.endswith("4bit_step_"):  # (not in FAMILIES: no native CUDA kernel to smoke)
+            from mpfused import quant4
+            q1, quantize = quant4.signed4_map("cpu"), quant4.quantize4_blockwise
+        cq = [quantize(s, q1, block) for s in state()]
         codes, absmax = [c for c, _ in cq], [a for _, a in cq]
         head = [p, g, codes, absmax, masters, steps, q1]
-        if op == "sgd8bit_step_":
+        if op.startswith("sgd"):
             hyper = dict(lr=1e-3, lr_tensor=None, momentum=momentum, dampening=dampening,
                          weight_decay=0.01, nesterov=variant == "nesterov", maximize=False)
         else:

@@ -144,15 +144,17 @@ def test_released_call_equals_check_then_step():
             b, lists = bucket()
             found = torch.tensor(1.0)  # stale from an earlier bucket: cleared by the call
             total, skipped = torch.tensor(0.0), torch.tensor(3, dtype=torch.int32)
-            args = (1e-2, None, 0.9, 0.999, 1e-8, 0.01, False, False, True, 0,
-                    torch.tensor(2.0), found, None, 0.0, 0)
+            kw = dict(lr=1e-2, lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8,
+                      weight_decay=0.01, amsgrad=False, maximize=False, decoupled=True,
+                      master_mode=0, grad_scale=torch.tensor(2.0), found_inf=found, norm_sq=None,
+                      max_grad_norm=0.0, seed=0)
             if fused:
                 b.check_first(g + o, found, inv, total, skipped)
-                b(g, *args)
+                b(g, **kw)
                 assert b._pre is None
             else:
                 check_and_record(g + o, found, inv, total, skipped)
-                b.op(lists[0], g, *lists[1:], *args, [], [])
+                b.op(lists[0], g, *lists[1:], **kw)
             results.append((float(found), float(total), int(skipped),
                             [t.clone() for ts in lists for t in ts]))
         (f1, t1, s1, x1), (f2, t2, s2, x2) = results

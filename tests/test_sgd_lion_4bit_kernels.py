@@ -350,13 +350,14 @@ def test_bound_lists_compute_the_plain_call(kind):
     plain, bound = clone(c), clone(c)
     call = BoundOp(OPS[OP[kind]], [bound["params"], bound["codes"], bound["absmax"],
                                    bound["masters"], bound["steps"]], [4, 1, 9], [0, 8, 0])
-    hyper = tuple(HYPER[kind].values())
-    rest = (q4.signed4_map(), BLOCK, hyper[0], None, *hyper[1:], 2, None, None, None, 0.0, 5)
+    qmap = q4.signed4_map()
+    kw = dict(block_size=BLOCK, lr_tensor=None, **HYPER[kind], master_mode=2, grad_scale=None,
+              found_inf=None, norm_sq=None, max_grad_norm=0.0, seed=5)
     for _ in range(2):
         OPS[OP[kind]](plain["params"], plain["grads"], plain["codes"], plain["absmax"],
-                      plain["masters"], plain["steps"], *rest, [4, 1, 9], [0, 8, 0],
-                      backend="native")
-        call(bound["grads"], *rest, backend="native")
+                      plain["masters"], plain["steps"], qmap, **kw, param_ids=[4, 1, 9],
+                      elem_offsets=[0, 8, 0], backend="native")
+        call(bound["grads"], qmap, **kw, backend="native")
     assert call._native is not None  # the C++ lists served the calls
     for k in KEYS:
         assert all(torch.equal(bits(a), bits(b)) for a, b in zip(plain[k], bound[k])), k

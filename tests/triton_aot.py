@@ -230,7 +230,7 @@ def drive_scaler():
     for dtype in ALL_DTYPES:
         for op in (check_grads, unscale_grads_):
             for norm in (None, torch.zeros(1)):
-                op([torch.randn(SIZE).to(dtype)], torch.zeros(1), torch.ones(1), norm)
+                op([torch.randn(SIZE).to(dtype)], torch.zeros(1), torch.ones(1), norm_sq=norm)
 
 
 def drive_64bit_sizes():

@@ -67,6 +67,7 @@ def lion8bit_step_(params, grads, exp_avgs, absmaxs, masters, steps, qmap, *, bl
                    MAXIMIZE=bool(maximize))
 
 
-def lion4bit_step_(*args, **kwargs):
+def lion4bit_step_(params, grads, exp_avgs, absmaxs, masters, steps, qmap, **kwargs):
     """mpfused::lion4bit_step_: the 8-bit kernel specialized on 4-bit codes (BITS=4)."""
-    return lion8bit_step_(*args, **kwargs, _bits=4)
+    return lion8bit_step_(params, grads, exp_avgs, absmaxs, masters, steps, qmap, **kwargs,
+                          _bits=4)

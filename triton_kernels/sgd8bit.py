@@ -69,6 +69,7 @@ def sgd8bit_step_(params, grads, momentum_buffers, absmaxs, masters, steps, qmap
                    bits=_bits, NESTEROV=bool(nesterov), MAXIMIZE=bool(maximize))
 
 
-def sgd4bit_step_(*args, **kwargs):
+def sgd4bit_step_(params, grads, momentum_buffers, absmaxs, masters, steps, qmap, **kwargs):
     """mpfused::sgd4bit_step_: the 8-bit kernel specialized on 4-bit codes (BITS=4)."""
-    return sgd8bit_step_(*args, **kwargs, _bits=4)
+    return sgd8bit_step_(params, grads, momentum_buffers, absmaxs, masters, steps, qmap, **kwargs,
+                         _bits=4)

@@ -37,7 +37,7 @@ def store_quantized4(codes, absmax, state, qmap, block_size):
     absmax.copy_(a)
 
 
-def sgd4bit_step_(params, grads, momentum_buffers, absmaxs, masters, steps, qmap, block_size, lr,
+def sgd4bit_step_(params, grads, momentum_buffers, absmaxs, masters, steps, qmap, *, block_size, lr,
                   lr_tensor, momentum, dampening, weight_decay, nesterov, maximize, master_mode,
                   grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0, seed=0,
                   param_ids=(), elem_offsets=()):
