@@ -11,7 +11,8 @@ How (tests/conftest.py wires it):
 * A module opts in with a module-level `BACKGROUND_BUILD = fn` (fn(job) -> results, where `job`
   is that module's `Job`); at collection, every collected module's fn starts in its own thread.
 * Its subprocesses go through `job.run(cmd)`: at most SLOTS of them run at once, all modules
-  together; a module that is waited for gets the next free slot first, then modules in test order.
+  together; a module that is waited for gets the next free slot first, then modules in test order,
+  and background jobs do not count against a waited-for module's SLOTS.
 * `result(module, deadline_s)` (the module fixture) waits for fn's result. The module's deadline
   (the time its jobs may still take, conftest.deadline_s) starts when its fixture starts waiting,
   as it did when the fixture did the work itself: a job still running then is cut (rc None) when
@@ -132,7 +133,7 @@ def _renice_tree(pid: int, nice: int) -> bool:
 # ---- slots: at most SLOTS subprocesses at once; waited-for modules first, then test order -----
 _lock = threading.Lock()
 _cond = threading.Condition(_lock)
-_running = 0
+_running = {True: 0, False: 0}  # subprocesses running, by whether their module was waited for
 _queue: list[tuple[Job, int]] = []  # (job, ticket) asking for a slot
 _tickets = itertools.count()
 _procs: set = set()
@@ -142,24 +143,32 @@ _once: dict = {}
 
 
 class _slot:
+    """At most SLOTS subprocesses of waited-for modules, and at most SLOTS in all counting the
+    background ones (which do not hold a waited-for module back: at nice 19 they yield the CPU)."""
+
     def __init__(self, job: Job):
         self.job = job
+        self.waited = False
+
+    def _free(self) -> bool:
+        if self.job.waited:
+            return _running[True] < SLOTS
+        return sum(_running.values()) < SLOTS and not any(j.waited for j, _ in _queue)
 
     def __enter__(self):
-        global _running
         with _cond:
             me = (self.job, next(_tickets))
             _queue.append(me)
-            while _running >= SLOTS or min(_queue, key=_rank) is not me:
+            while not (self._free() and min(_queue, key=_rank) is me):
                 _cond.wait(_POLL_S)  # a job's priority changes when its module starts waiting
             _queue.remove(me)
-            _running += 1
+            self.waited = self.job.waited
+            _running[self.waited] += 1
             _cond.notify_all()  # the next in line may take another free slot
 
     def __exit__(self, *exc):
-        global _running
         with _cond:
-            _running -= 1
+            _running[self.waited] -= 1
             _cond.notify_all()
 
 
