@@ -17,7 +17,7 @@ How (tests/conftest.py wires it):
   (the time its jobs may still take, conftest.deadline_s) starts when its fixture starts waiting,
   as it did when the fixture did the work itself: a job still running then is cut (rc None) when
   the deadline passes, one not yet started is not run. Background time is never charged to it.
-* `once(key, fn)`: a job shared by modules (an object file two programs link) runs once.
+* `once(key, job, fn)`: a job shared by modules (an object file two programs link) runs once.
 * The session's end (conftest) kills what still runs.
 A module run alone (`pytest tests/test_X.py`) starts its jobs at collection too; a module whose
 BACKGROUND_BUILD was not started (not collected by this conftest) runs them when first asked.
@@ -29,7 +29,7 @@ import os
 import subprocess
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from typing import Callable
 
 NICE = 19
@@ -45,10 +45,12 @@ class Job:
         self.deadline: float | None = None  # set when the module's fixture starts waiting
         self.deadline_s: float | None = None
         self.future: Future = Future()
+        self.boosted = False  # a waited-for module waits on a job this module shares (once)
 
     @property
     def waited(self) -> bool:
-        return self.deadline is not None
+        """Its module's fixture waits for it (or for a job it shares): normal priority."""
+        return self.deadline is not None or self.boosted
 
     def run(self, cmd: list[str], env: dict | None = None) -> tuple[int | None, str]:
         """(returncode, "$ cmd\\nstdout+stderr"); returncode None: cut by the module deadline (or
@@ -206,18 +208,29 @@ def result(name: str, fn: Callable[[Job], object], deadline_s: float, tmp_factor
     return job.future.result()
 
 
-def once(key, fn: Callable[[], object]):
-    """fn() once per key for the whole session (other callers wait for the first's result)."""
+def once(key, job: Job, fn: Callable[[], object]):
+    """fn() once per key for the whole session, run by the first caller's `job`; other callers
+    wait for its result (where one's module is waited for, the running job gets its priority)."""
     with _lock:
-        fut = _once.get(key)
-        mine = fut is None
+        entry = _once.get(key)
+        mine = entry is None
         if mine:
-            fut = _once[key] = Future()
+            entry = _once[key] = (Future(), job)
+    fut, owner = entry
     if mine:
         try:
             fut.set_result(fn())
         except BaseException as e:  # noqa: BLE001
             fut.set_exception(e)
+    while not fut.done():
+        if job.waited and not owner.waited:
+            with _cond:
+                owner.boosted = True
+                _cond.notify_all()
+        try:
+            return fut.result(timeout=_POLL_S)
+        except FutureTimeout:
+            pass
     return fut.result()
 
 

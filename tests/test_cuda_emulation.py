@@ -84,7 +84,7 @@ def _sanitizer_works(job, flags: list[str]) -> bool:
         exe = src.with_suffix("")
         rc, _ = job.run([CXX, *flags, str(src), "-o", str(exe)])
         return rc == 0 and job.run([str(exe)])[0] == 0
-    return background_builds.once(("sanitizer_works", *flags), probe)
+    return background_builds.once(("sanitizer_works", *flags), job, probe)
 
 
 def checkers(job) -> dict[str, list[str]]:
@@ -112,7 +112,7 @@ def build_object(job, cmd: list[str], out: Path) -> tuple[int | None, str, Path]
     (rc, output, the object's path)."""
     def build():
         return (*job.run([*cmd, "-o", str(out)]), out)
-    return background_builds.once(("object", *cmd), build)
+    return background_builds.once(("object", *cmd), job, build)
 
 
 def _build_and_run(job) -> dict:
