@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -63,9 +64,8 @@ class Job:
                     return None, "not run: the test session ended"
                 niced = not self.waited
                 try:
-                    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                         text=True, env=env,
-                                         preexec_fn=_lower_priority if niced else None)
+                    p = subprocess.Popen([*_NICE_CMD, *cmd] if niced else cmd, text=True,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
                 except OSError as e:
                     return 127, f"$ {' '.join(cmd)}\n{type(e).__name__}: {e}"
                 with _lock:
@@ -101,11 +101,9 @@ class Job:
 _BASE_NICE = os.getpriority(os.PRIO_PROCESS, 0)
 
 
-def _lower_priority():  # in the child, before exec: inherited by everything it starts
-    try:
-        os.nice(NICE)
-    except OSError:
-        pass
+# `nice` execs the command (same pid): everything it starts inherits the priority. (Not
+# preexec_fn: not safe with the threads this module runs.)
+_NICE_CMD = ["nice", "-n", str(NICE)] if shutil.which("nice") else []
 
 
 def _renice_tree(pid: int, nice: int) -> bool:
