@@ -2,12 +2,14 @@
 torchao's AdamW4bit (on CPU: torch.compile'd per param) and mpfused.AdamW8bit.
 
 One fp32 param of each size, the grad fixed (the work per step is the same), each optimizer's
-step() as a user calls it. Timing: warm-up (torchao compiles here), then the contenders take
+step() as a user calls it; the master-weight rows (``+remainder``: int16 low half of the fp32
+master, ``+remainder8``: int8 correction, a 24-bit master) keep a bf16 param and grad instead. Timing: warm-up (torchao compiles here), then the contenders take
 turns (benchmarks.common.round_order); medians of the wall time and of the process CPU time of
 one step. Ratios: ``vs_torch`` = torch fused fp32 time / this time (>= 0.67 meets the goal
 "<= 1.5x torch fused"), ``vs_torchao4`` = torchao 4-bit time / this time (goal >= 10 for ours).
-Also the step over the bytes it moves (param r/w, grad, codes r/w, absmax: 12 + 2 x (2 x 0.5 +
-8 / 128) B/param for 4-bit) at the measured stream bandwidth of the working set (x_limit).
+Also the step over the bytes it moves (param r/w, grad, masters r/w, codes r/w, absmax: 12 + 2 x
+(2 x 0.5 + 8 / 128) B/param for 4-bit) at the measured stream bandwidth of the working set
+(x_limit). The load average is recorded beside the results (the machine is shared).
 Not a test:
     python -m benchmarks.bench_adamw4bit [--sizes 1e6 1e7] [--reps 21] [--threads N] [--write]
 """
@@ -29,6 +31,8 @@ from benchmarks.common import (machine, print_table, round_order,  # noqa: E402
 import mpfused  # noqa: E402
 
 BYTES_PER_PARAM = {"4bit": 12 + 2 * (1 + 8 / 128), "8bit": 12 + 2 * (2 + 8 / 256), "fp32": 12 + 16}
+# bf16 param r/w + grad (6 B) + masters r/w instead of the fp32 param's 12 B
+MASTER_BYTES = {"remainder": 6 + 4, "remainder8": 6 + 2}
 
 
 def _contenders(n: int, with_torchao: bool) -> dict:
@@ -36,15 +40,24 @@ def _contenders(n: int, with_torchao: bool) -> dict:
     p0 = torch.randn(n, generator=g) * 0.02
     grad = torch.randn(n, generator=g) * 1e-3
 
-    def make(build):
-        p = torch.nn.Parameter(p0.clone())
-        p.grad = grad.clone()
+    def make(build, dtype=torch.float32):
+        p = torch.nn.Parameter(p0.to(dtype))
+        p.grad = grad.to(dtype)
         return build([p]).step
+
+    def ours(cls, master=None):
+        if master is None:
+            return make(lambda ps: cls(ps, lr=1e-3, min_8bit_size=0))
+        return make(lambda ps: cls(ps, lr=1e-3, min_8bit_size=0, master_weights=master),
+                    torch.bfloat16)
 
     fns = {
         "torch.AdamW(fused)": make(lambda ps: torch.optim.AdamW(ps, lr=1e-3, fused=True)),
-        "mpfused.AdamW8bit": make(lambda ps: mpfused.AdamW8bit(ps, lr=1e-3, min_8bit_size=0)),
-        "mpfused.AdamW4bit": make(lambda ps: mpfused.AdamW4bit(ps, lr=1e-3, min_8bit_size=0)),
+        "mpfused.AdamW8bit": ours(mpfused.AdamW8bit),
+        "mpfused.AdamW8bit+remainder": ours(mpfused.AdamW8bit, "remainder"),
+        "mpfused.AdamW8bit+remainder8": ours(mpfused.AdamW8bit, "remainder8"),
+        "mpfused.AdamW4bit": ours(mpfused.AdamW4bit),
+        "mpfused.AdamW4bit+remainder8": ours(mpfused.AdamW4bit, "remainder8"),
     }
     if with_torchao:
         from torchao.optim import AdamW4bit
@@ -85,16 +98,20 @@ def main(argv=None) -> None:
         ao = times.get("torchao.AdamW4bit")
         for name, (wall, cpu) in times.items():
             kind = "4bit" if "4bit" in name else "8bit" if "8bit" in name else "fp32"
-            moved = n * BYTES_PER_PARAM[kind]
+            master = name.rpartition("+")[2] if "+" in name else None
+            moved = n * (BYTES_PER_PARAM[kind] - (12 - MASTER_BYTES[master] if master else 0))
             rows.append({"numel": n, "impl": name, "ms": wall * 1e3, "cpu_ms": cpu * 1e3,
                          "vs_torch": base_wall / wall, "cpu_vs_torch": base_cpu / cpu,
                          "vs_torchao4": ao[0] / wall if ao else None,
                          "x_limit": wall / (moved / stream_bandwidth_at("cpu", int(moved)))})
-    print(machine(), "(a shared 2-core VM: other jobs run beside this one)")
+    load = os.getloadavg()
+    print(machine(), "(a shared 2-core VM: other jobs run beside this one); load average "
+          f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (1 / 5 / 15 min) at the end")
     print_table(rows, ["numel", "impl", "ms", "cpu_ms", "vs_torch", "cpu_vs_torch", "vs_torchao4",
                        "x_limit"])
     if args.write:
-        print(write_results(f"adamw4bit-{torch.get_num_threads()}t", "cpu", rows))
+        print(write_results(f"adamw4bit-{torch.get_num_threads()}t", "cpu", rows,
+                            {"load_average_1_5_15min": [round(x, 2) for x in load]}))
 
 
 if __name__ == "__main__":

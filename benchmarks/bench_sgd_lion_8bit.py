@@ -57,11 +57,15 @@ def _contenders(kind: str, n: int) -> dict:
     def mpfused_step():
         p, c, a, s = ours
         if kind == "sgd":
-            OPS["sgd8bit_step_"]([p], [grad], [c], [a], [], [s], qmap, BLOCK, 1e-3, None, 0.9,
-                                 0.0, 0.0, False, False, 0, backend="native")
+            OPS["sgd8bit_step_"]([p], [grad], [c], [a], [], [s], qmap, block_size=BLOCK, lr=1e-3,
+                                 lr_tensor=None, momentum=0.9,
+                                 dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False,
+                                 master_mode=0, backend="native")
         else:
-            OPS["lion8bit_step_"]([p], [grad], [c], [a], [], [s], qmap, BLOCK, 1e-4, None, 0.9,
-                                  0.99, 0.0, False, 0, backend="native")
+            OPS["lion8bit_step_"]([p], [grad], [c], [a], [], [s], qmap, block_size=BLOCK, lr=1e-4,
+                                  lr_tensor=None, beta1=0.9,
+                                  beta2=0.99, weight_decay=0.0, maximize=False, master_mode=0,
+                                  backend="native")
 
     return {f"mpfused.{kind}8bit": mpfused_step, f"bnb.{kind}8bit": ob.step}
 

@@ -90,10 +90,11 @@ def run_case(case: tuple, device: str) -> tuple[bool, float, str]:
     # bit equality (NaN payloads aside: Triton's fp16 NaN is 0x7FFF, the CPU's 0x7E00)
     exact = all(torch.equal(d.cpu(), o) or (d.is_floating_point() and torch.equal(
         d.cpu().nan_to_num(0.0), o.nan_to_num(0.0))) for d, o in zip(douts, outs))
-    if mode.endswith("remainder"):  # judge the fp32 value (bf16 param, int16 remainder), not the raw bits
+    if mode.endswith(("remainder", "remainder8")):
+        # judge the fp32 value (bf16 param + int16 remainder / int8 correction), not the raw bits
         n = len(args[0])
-        douts = _join_remainder(douts, n)
-        outs = _join_remainder(outs, n)
+        douts = _join_remainder(douts, n, mode)
+        outs = _join_remainder(outs, n, mode)
     codes = [_max_err(d, o) for d, o in zip(douts, outs) if not o.is_floating_point()]
     err = max((_max_err(d, o) for d, o in zip(douts, outs) if o.is_floating_point()), default=0.0)
     code_err = max(codes, default=0.0)
@@ -107,10 +108,16 @@ def run_case(case: tuple, device: str) -> tuple[bool, float, str]:
     return ok, err, f"{how} vs cpu-{ref_backend}{' (bit for bit)' if strict else ''}, {dt * 1e3:.1f} ms"
 
 
-def _join_remainder(outs: list, n: int) -> list:
-    """outs = params (n) + ... + remainders (n) + steps (n): params and remainders become fp32."""
+def _join_remainder(outs: list, n: int, mode: str = "remainder") -> list:
+    """outs = params (n) + ... + remainders (n) + steps (n): params and remainders (int16, or
+    remainder8's int8 corrections) become fp32."""
     import torch
+    from mpfused.reference.adam import remainder8_join
     p, rem = outs[:n], outs[-2 * n:-n]
+    if mode.endswith("remainder8"):
+        joined = [remainder8_join(x.cpu().contiguous(), r.cpu().contiguous()).float()
+                  for x, r in zip(p, rem)]
+        return joined + outs[n:-2 * n] + outs[-n:]
     joined = [((x.cpu().contiguous().view(torch.int16).to(torch.int32) << 16)
                | (r.cpu().contiguous().to(torch.int32) & 0xFFFF)).view(torch.float32)
               for x, r in zip(p, rem)]

@@ -6,7 +6,7 @@ torch's fused step where torch has one.
 
 Bytes model: every operand read once and every in-place operand written once (grads are read
 only), counted from the tensors' sizes: fp32 AdamW 28 B/param, bf16 + fp32 master 30, 8-bit fp32
-16 (+ absmax), check bf16 2; SGD without momentum 12 (read p, g; write p), SGD with momentum 20
+16 (+ absmax), 4-bit fp32 14 (+ absmax), check bf16 2; SGD without momentum 12 (read p, g; write p), SGD with momentum 20
 (read p, g, buf; write p, buf), Lion 20 (read p, g, m; write p, m); bf16 params with an fp32
 master: SGD 14 / SGD momentum 22 / Lion 22 (a 2-byte param and a 4-byte master, each read and
 written, a 2-byte grad); 8-bit SGD / Lion fp32 14 (+ absmax).
@@ -47,6 +47,8 @@ CASES = {
     "adamw_bf16_stochastic": ("adam_step_", torch.bfloat16, 3),
     "adamw8bit_fp32": ("adam8bit_step_", torch.float32, 0),
     "adamw8bit_bf16_master": ("adam8bit_step_", torch.bfloat16, 1),
+    "adamw4bit_fp32": ("adam4bit_step_", torch.float32, 0),
+    "adamw4bit_bf16_master": ("adam4bit_step_", torch.bfloat16, 1),
     "sgd_fp32": ("sgd_step_", torch.float32, 0, 0.0),
     "sgd_momentum_fp32": ("sgd_step_", torch.float32, 0, 0.9),
     "sgd_momentum_bf16_master": ("sgd_step_", torch.bfloat16, 1, 0.9),
@@ -70,41 +72,55 @@ def make_case(name: str, n: int, device: str):
     if op in ("check_grads", "unscale_grads_"):
         inv = f32(1.0)  # unscale by 1: values stay put however often it runs
         moved = g.nbytes * (2 if op == "unscale_grads_" else 1)
-        return (lambda: OPS[op]([g], found, inv, None, None, backend=BACKEND)), moved
+        return (lambda: OPS[op]([g], found, inv, backend=BACKEND)), moved
     p = (torch.randn(n, device=dev) * 0.1).to(dtype)
     masters = ([p.float()] if mode == 1 else
                [torch.zeros(n, dtype=torch.int16, device=dev)] if mode == 2 else [])
     steps = [f32(1.0)]
-    tail = (None, found, norm, 0.0, 0)
+    tail = dict(master_mode=mode, grad_scale=None, found_inf=found, norm_sq=norm,
+                max_grad_norm=0.0, seed=0)
     if op == "adam_step_":
         m, v = torch.zeros(n, device=dev), torch.zeros(n, device=dev)
         moved = 2 * (p.nbytes + m.nbytes + v.nbytes + sum(x.nbytes for x in masters)) + g.nbytes
-        return (lambda: OPS[op]([p], [g], [m], [v], [], masters, steps, 1e-3, None, 0.9, 0.999,
-                                1e-8, 0.01, False, False, True, mode, *tail, backend=BACKEND)), moved
+        return (lambda: OPS[op]([p], [g], [m], [v], [], masters, steps, lr=1e-3, lr_tensor=None,
+                                beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                                amsgrad=False, maximize=False, decoupled=True, **tail,
+                                backend=BACKEND)), moved
     if op in ("sgd_step_", "lion_step_"):
         st = [torch.zeros(n, device=dev)] if momentum != [0.0] else []
         moved = 2 * (p.nbytes + sum(x.nbytes for x in st + masters)) + g.nbytes
         if op == "sgd_step_":
-            return (lambda: OPS[op]([p], [g], st, masters, steps, 1e-3, None, momentum[0], 0.0,
-                                    0.0, False, False, mode, *tail, backend=BACKEND)), moved
-        return (lambda: OPS[op]([p], [g], st, masters, steps, 1e-4, None, 0.9, 0.99, 0.0, False,
-                                mode, *tail, backend=BACKEND)), moved
+            return (lambda: OPS[op]([p], [g], st, masters, steps, lr=1e-3, lr_tensor=None,
+                                    momentum=momentum[0], dampening=0.0, weight_decay=0.0,
+                                    nesterov=False, maximize=False, **tail,
+                                    backend=BACKEND)), moved
+        return (lambda: OPS[op]([p], [g], st, masters, steps, lr=1e-4, lr_tensor=None, beta1=0.9,
+                                beta2=0.99, weight_decay=0.0, maximize=False, **tail,
+                                backend=BACKEND)), moved
     block = 256
     if op in ("sgd8bit_step_", "lion8bit_step_"):
         q = qm.signed_map(dev)
         c, a = qm.quantize_blockwise(torch.zeros(n, device=dev), q, block)
         moved = 2 * (p.nbytes + c.nbytes + a.nbytes + sum(x.nbytes for x in masters)) + g.nbytes
-        head = ([p], [g], [c], [a], masters, steps, q, block)
-        hyper = ((1e-3, None, 0.9, 0.0, 0.0, False, False) if op == "sgd8bit_step_"
-                 else (1e-4, None, 0.9, 0.99, 0.0, False))
-        return (lambda: OPS[op](*head, *hyper, mode, *tail, backend=BACKEND)), moved
-    c1, a1 = qm.quantize_blockwise(torch.zeros(n, device=dev), qm.signed_map(dev), block)
-    c2, a2 = qm.quantize_blockwise(torch.zeros(n, device=dev), qm.unsigned_map(dev), block)
-    q1, q2 = qm.signed_map(dev), qm.unsigned_map(dev)
+        head = ([p], [g], [c], [a], masters, steps, q)
+        hyper = (dict(lr=1e-3, lr_tensor=None, momentum=0.9, dampening=0.0, weight_decay=0.0,
+                      nesterov=False, maximize=False) if op == "sgd8bit_step_"
+                 else dict(lr=1e-4, lr_tensor=None, beta1=0.9, beta2=0.99, weight_decay=0.0,
+                           maximize=False))
+        return (lambda: OPS[op](*head, block_size=block, **hyper, **tail,
+                                backend=BACKEND)), moved
+    # adam8bit_step_ / adam4bit_step_ (one schema; 4-bit: 16-entry maps, two codes per byte)
+    q1, q2, quantize = qm.signed_map(dev), qm.unsigned_map(dev), qm.quantize_blockwise
+    if op == "adam4bit_step_":
+        from mpfused import quant4
+        q1, q2, quantize = quant4.signed4_map(dev), quant4.unsigned4_map(dev), quant4.quantize4_blockwise
+    c1, a1 = quantize(torch.zeros(n, device=dev), q1, block)
+    c2, a2 = quantize(torch.zeros(n, device=dev), q2, block)
     moved = 2 * (p.nbytes + c1.nbytes + c2.nbytes + a1.nbytes + a2.nbytes
                  + sum(x.nbytes for x in masters)) + g.nbytes
-    return (lambda: OPS[op]([p], [g], [c1], [c2], [a1], [a2], masters, steps, q1, q2, block, 1e-3,
-                            None, 0.9, 0.999, 1e-8, 0.01, False, True, mode, *tail,
+    return (lambda: OPS[op]([p], [g], [c1], [c2], [a1], [a2], masters, steps, q1, q2,
+                            block_size=block, lr=1e-3, lr_tensor=None, beta1=0.9, beta2=0.999,
+                            eps=1e-8, weight_decay=0.01, maximize=False, decoupled=True, **tail,
                             backend=BACKEND)), moved
 
 
@@ -138,6 +154,7 @@ SMALL = {
     "lion": {"mpfused": lambda ps: mpfused.Lion(ps, lr=1e-4)},
     # min_8bit_size=1: the small tensors get 8-bit state too (default: fp32 below 4096 elements)
     "adamw8bit": {"mpfused": lambda ps: mpfused.AdamW8bit(ps, lr=1e-3, min_8bit_size=1)},
+    "adamw4bit": {"mpfused": lambda ps: mpfused.AdamW4bit(ps, lr=1e-3, min_8bit_size=1)},
     "sgd8bit": {"mpfused": lambda ps: mpfused.SGD8bit(ps, lr=1e-3, momentum=0.9, min_8bit_size=1)},
     "lion8bit": {"mpfused": lambda ps: mpfused.Lion8bit(ps, lr=1e-4, min_8bit_size=1)},
 }

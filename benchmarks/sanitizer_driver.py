@@ -1,11 +1,12 @@
 """The workload for compute-sanitizer (memcheck, racecheck, synccheck, initcheck) in gpu_suite.sh:
 every op of every backend once, on every case of the smoke test (benchmarks/smoke_cases.py: each
 dtype and master mode, SGD's plain / momentum / Nesterov variants; odd sizes, a tensor one element
-past an aligned start and a transposed one), the 8-bit steps (Adam, SGD, Lion) at every
-block-size class (within a warp, one warp, several warps, a whole 4096 chunk), and per optimizer
+past an aligned start and a transposed one), the 8-bit steps (Adam, SGD, Lion) and the 4-bit Adam
+step at every block-size class (within a warp, one warp, several warps, a whole 4096 chunk), and
+per optimizer
 family two extra calls:
   * many tensors (MANY, 1-7 elements each; native only): more than one launch of the multi-tensor kernel and,
-    for the 8-bit steps (Adam, SGD, Lion), of their prepare kernel (3,584 tensors per prepare
+    for the 8-bit / 4-bit steps (Adam, SGD, Lion), of their prepare kernel (3,584 tensors per prepare
     launch with 32 KB kernel parameters, 448 with 4 KB), whose workspace the main kernel then
     reads per tensor;
   * a skipped step (found_inf > 0): the prepare writes nothing into the fresh workspace, so a main
@@ -32,7 +33,7 @@ from benchmarks.smoke_cases import FAMILIES, cases, inputs
 from mpfused.ops import OPS
 
 BLOCKS_8BIT = (64, 128, 256, 4096)
-EIGHT_BIT = ("adam8bit_step_", "sgd8bit_step_", "lion8bit_step_")
+EIGHT_BIT = ("adam8bit_step_", "adam4bit_step_", "sgd8bit_step_", "lion8bit_step_")  # block-wise
 OPTIMIZERS = ("adam_step_", "sgd_step_", "lion_step_") + EIGHT_BIT
 MANY = 3600  # > 3,584: two prepare launches even with 32 KB parameters
 

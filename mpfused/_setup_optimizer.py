@@ -8,7 +8,8 @@ import torch
 
 _OPTIMIZERS = {"adamw": "AdamW", "adam": "Adam", "adamw8bit": "AdamW8bit", "adam8bit": "Adam8bit",
                "adamw4bit": "AdamW4bit", "adam4bit": "Adam4bit",
-               "sgd": "SGD", "lion": "Lion", "sgd8bit": "SGD8bit", "lion8bit": "Lion8bit"}
+               "sgd": "SGD", "lion": "Lion", "sgd8bit": "SGD8bit", "lion8bit": "Lion8bit",
+               "sgd4bit": "SGD4bit", "lion4bit": "Lion4bit"}
 
 
 def optimizer_class(optimizer):

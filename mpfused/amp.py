@@ -253,7 +253,7 @@ def setup(model: nn.Module, optimizer="adamw", dtype="auto", lr=1e-3, weight_dec
       ``dtype``: ``"auto"`` = bf16 where supported, else fp16; ``"fp32"`` leaves it fp32.
     * ``optimizer``: ``"adamw"``, ``"adam"``, ``"adamw8bit"``, ``"adam8bit"``, ``"adamw4bit"``,
       ``"adam4bit"``, ``"sgd"``,
-      ``"lion"``, ``"sgd8bit"``, ``"lion8bit"`` (mpfused classes) or
+      ``"lion"``, ``"sgd8bit"``, ``"lion8bit"``, ``"sgd4bit"``, ``"lion4bit"`` (mpfused classes) or
       a class, built on ``model.parameters()`` with ``lr``, ``weight_decay``, ``master_weights``
       (``"fp32"``, ``"remainder"`` or ``"remainder8"`` (bf16 only) or ``"none"``) and
       ``optimizer_kwargs``. A class

@@ -44,7 +44,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
     for device, by_key in by_device.items():
         gs = [g for part in by_key.values() for g in part]
         amp_ops.unscale_grads_(gs, torch.zeros((), device=device), clip_coef.float().to(device),
-                               None, None, backend=backend)
+                               backend=backend)
     return total_norm
 
 
@@ -71,7 +71,7 @@ def check_by_device(grads, first: torch.device, inv_scale: torch.Tensor | None,
                else copy_to(inv_scale, device))
         for key, gs in by_key.items():
             sq = torch.zeros((), dtype=torch.float32, device=device)
-            amp_ops.check_grads(gs, dev_found, inv, sq, None, backend=backend)
+            amp_ops.check_grads(gs, dev_found, inv, norm_sq=sq, backend=backend)
             sq = copy_to(sq, first)
             parts[key] = sq if key not in parts else parts[key] + sq
         dev_found = copy_to(dev_found, first)

@@ -149,7 +149,7 @@ class GradScaler(torch.amp.GradScaler):
                     dev_norm = None
                     if norm_sq is not None:
                         dev_norm = torch.zeros((), dtype=torch.float32, device=device)
-                    op(grads, dev_found, dev_inv, dev_norm, None, backend=self._backend)
+                    op(grads, dev_found, dev_inv, norm_sq=dev_norm, backend=self._backend)
                     if dev_norm is not None:
                         dev_norm = copy_to(dev_norm, norm_sq.device)
                         norm_parts[key] = (dev_norm if key not in norm_parts
@@ -279,10 +279,11 @@ class GradScaler(torch.amp.GradScaler):
             raise AssertionError("No inf checks were recorded prior to update.")
         amp_ops.update_scale_(
             scale, growth_tracker, self._hysteresis_tracker, _max_on(found_infs, scale.device),
-            float(self._growth_factor), float(self._backoff_factor), int(self._growth_interval),
-            int(self._hysteresis), float(self._min_scale or 0.0),
-            float(self._max_scale if self._max_scale is not None else math.inf),
-            bool(self._consecutive_hysteresis), backend=self._backend)
+            growth_factor=float(self._growth_factor), backoff_factor=float(self._backoff_factor),
+            growth_interval=int(self._growth_interval), hysteresis=int(self._hysteresis),
+            min_scale=float(self._min_scale or 0.0),
+            max_scale=float(self._max_scale if self._max_scale is not None else math.inf),
+            consecutive_hysteresis=bool(self._consecutive_hysteresis), backend=self._backend)
         self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
 
     # ---- extras in checkpoints (only when used: defaults give torch's exact 5 keys) ---------

@@ -109,7 +109,8 @@ def estimate_memory(model_or_param_count, recipe: str = "master", *, keep_fp32=N
 
     ``state_bits=4`` with an ``8bit*`` recipe: 4-bit moments (``mpfused.AdamW4bit``; pass
     ``block_size=128``, its default): 2 x (0.5 + 4 / 128) = 1.06 B/param of state, so ``8bit``
-    becomes ~9.1, ``8bit-remainder`` ~7.1 and ``8bit-remainder-release`` ~5.1 B/param.
+    becomes ~9.1, ``8bit-remainder`` ~7.1 and ``8bit-remainder-release`` ~5.1 B/param; with
+    ``optimizer="sgd"`` / ``"lion"`` (``mpfused.SGD4bit`` / ``Lion4bit``) half that state.
 
     ``release=True`` (or a recipe name ending in ``-release``, e.g. ``"8bit-remainder-release"``):
     the step inside the backward (``mpfused.step_in_backward``) frees each grad as it is used, so

@@ -94,12 +94,14 @@ ARG_ORDER = ("lr", "lr_tensor", "beta1", "beta2", "eps", "weight_decay", "amsgra
 
 
 def op_args(s, **kw):
+    """(operands, keyword arguments) of an adam_step_ call."""
     h = {**HYPER, **kw}
-    return tuple(s[k] for k in KEYS) + tuple(h[k] for k in ARG_ORDER)
+    return tuple(s[k] for k in KEYS), {k: h[k] for k in ARG_ORDER}
 
 
 def step(s, backend, **kw):
-    OPS["adam_step_"](*op_args(s, **kw), backend=backend)
+    args, kwargs = op_args(s, **kw)
+    OPS["adam_step_"](*args, **kwargs, backend=backend)
 
 
 # ---- comparison -------------------------------------------------------------------------------
@@ -453,10 +455,10 @@ def test_triton_no_host_sync(device, backend, monkeypatch):
 @pytest.mark.parametrize("mode", [FP32_MASTER, REMAINDER], ids=["master", "remainder"])
 def test_opcheck(mode):
     s = make_state([(7,), (0,), (3, 5)], BF16, mode, True, "cpu")
-    args = op_args(s, master_mode=mode, amsgrad=True, lr_tensor=torch.tensor(1e-3),
-                   grad_scale=torch.tensor(2.0), found_inf=torch.zeros(()),
-                   norm_sq=torch.tensor(4.0), max_grad_norm=1.0, seed=3)
-    torch.library.opcheck(OPS["adam_step_"].overload, args)
+    args, kwargs = op_args(s, master_mode=mode, amsgrad=True, lr_tensor=torch.tensor(1e-3),
+                           grad_scale=torch.tensor(2.0), found_inf=torch.zeros(()),
+                           norm_sq=torch.tensor(4.0), max_grad_norm=1.0, seed=3)
+    torch.library.opcheck(OPS["adam_step_"].overload, args, kwargs)
 
 
 if __name__ == "__main__":  # pragma: no cover

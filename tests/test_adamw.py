@@ -369,13 +369,14 @@ def test_kernel_rejects_mismatched_grads():
 
     p = [torch.randn(4)]
     state = ([torch.zeros(4)], [torch.zeros(4)], [], [], [torch.zeros(())])
-    hyper = (1e-3, None, 0.9, 0.999, 1e-8, 0.0, False, False, True, 0)
+    hyper = dict(lr=1e-3, lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                 amsgrad=False, maximize=False, decoupled=True, master_mode=0)
     with pytest.raises(RuntimeError, match=r"grads\[0\] must have its param's dtype"):
-        adam_step_(p, [torch.randn(4).half()], *state, *hyper, backend="native")
+        adam_step_(p, [torch.randn(4).half()], *state, **hyper, backend="native")
     with pytest.raises(RuntimeError, match="operands differ in size"):
-        adam_step_(p, [torch.randn(5)], *state, *hyper, backend="native")
+        adam_step_(p, [torch.randn(5)], *state, **hyper, backend="native")
     with pytest.raises(RuntimeError, match=r"steps\[0\] must be a 1-element float32"):
-        adam_step_(p, [torch.randn(4)], *state[:4], [torch.zeros((), dtype=torch.int64)], *hyper,
+        adam_step_(p, [torch.randn(4)], *state[:4], [torch.zeros((), dtype=torch.int64)], **hyper,
                    backend="native")
 
 

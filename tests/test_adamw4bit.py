@@ -28,7 +28,8 @@ from tests.tolerances import ABSMAX_TOL_OF_TERMS
 OP_UNDER_TEST = "adam4bit_step_"
 NATIVE = mpfused.ops.OPS[OP_UNDER_TEST].native_available("cpu")
 needs_native = pytest.mark.skipif(not NATIVE, reason="no native adam4bit_step_ in this build")
-HYPER = (1e-3, None, 0.9, 0.999, 1e-8, 1e-2, False, True)  # lr .. decoupled
+HYPER = dict(lr=1e-3, lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2,
+             maximize=False, decoupled=True)
 
 
 def _state(sizes, dtype, mode, block, gen):
@@ -52,8 +53,9 @@ def _state(sizes, dtype, mode, block, gen):
 def _step(st, grads, backend, block, mode, found_inf=None, scale=2.0):
     params, c1s, c2s, a1s, a2s, masters, steps = st
     ops.adam4bit_step_(params, grads, c1s, c2s, a1s, a2s, masters, steps, q4.signed4_map(),
-                       q4.unsigned4_map(), block, *HYPER, mode, torch.tensor(scale), found_inf,
-                       None, 0.0, 7, backend=backend)
+                       q4.unsigned4_map(), block_size=block, **HYPER, master_mode=mode,
+                       grad_scale=torch.tensor(scale), found_inf=found_inf, norm_sq=None,
+                       max_grad_norm=0.0, seed=7, backend=backend)
 
 
 def _clone(st):
@@ -311,8 +313,9 @@ for dtype, mode in [(torch.float32, 0), (torch.float16, 1), (torch.bfloat16, 2),
         grads = [(torch.randn(n, generator=gen) * 1e-2).to(dtype) for n in sizes]
         ops.adam4bit_step_(ps, grads, [c[0] for c in cs], [c[2] for c in cs], [c[1] for c in cs],
                            [c[3] for c in cs], masters, steps, q4.signed4_map(),
-                           q4.unsigned4_map(), 128, 1e-3, None, 0.9, 0.999, 1e-8, 1e-2, False,
-                           True, mode, backend="native")
+                           q4.unsigned4_map(), block_size=128, lr=1e-3, lr_tensor=None,
+                           beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2, maximize=False,
+                           decoupled=True, master_mode=mode, backend="native")
     for t in ps + [x for c in cs for x in c] + masters:
         h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
 print(h.hexdigest())

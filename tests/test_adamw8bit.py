@@ -55,10 +55,14 @@ def test_backends_agree_with_reference(device, backend, dtype, mode):
             steps.append(torch.full((), 4.0, device=device))
         h = HYPER
         ops.adam8bit_step_(params, grads, c1s, c2s, a1s, a2s, masters, steps,
-                           qm.signed_map(device), qm.unsigned_map(device), block, h["lr"], None,
-                           h["beta1"], h["beta2"], h["eps"], h["wd"], False, True, mode,
-                           torch.tensor(2.0, device=device), torch.tensor(0.0, device=device),
-                           torch.tensor(4.0, device=device), 1.0, 7, backend=name)
+                           qm.signed_map(device), qm.unsigned_map(device), block_size=block,
+                           lr=h["lr"], lr_tensor=None,
+                           beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"], weight_decay=h["wd"],
+                           maximize=False, decoupled=True, master_mode=mode,
+                           grad_scale=torch.tensor(2.0, device=device), found_inf=torch.tensor(0.0,
+                                                                                               device=device),
+                           norm_sq=torch.tensor(4.0, device=device), max_grad_norm=1.0, seed=7,
+                           backend=name)
         results[name] = (params, c1s, c2s, a1s, a2s, masters, steps)
     got, ref = results[backend], results["reference"]
     rtol, atol = OP_TOL[dtype]
@@ -84,9 +88,12 @@ def test_found_inf_skips_everything_bit_identical(device, backend):
     before = [t.clone() for t in (p, c1, c2, a1, a2, master, step)]
     g = torch.full((n,), float("inf"), dtype=torch.bfloat16, device=device)
     ops.adam8bit_step_([p], [g], [c1], [c2], [a1], [a2], [master], [step], qm.signed_map(device),
-                       qm.unsigned_map(device), 256, 1e-3, None, 0.9, 0.999, 1e-8, 0.01, False,
-                       True, 1, torch.tensor(65536.0, device=device),
-                       torch.tensor(1.0, device=device), None, 0.0, 0, backend=backend)
+                       qm.unsigned_map(device), block_size=256, lr=1e-3, lr_tensor=None, beta1=0.9,
+                       beta2=0.999, eps=1e-8, weight_decay=0.01, maximize=False,
+                       decoupled=True, master_mode=1, grad_scale=torch.tensor(65536.0,
+                                                                              device=device),
+                       found_inf=torch.tensor(1.0, device=device), norm_sq=None, max_grad_norm=0.0,
+                       seed=0, backend=backend)
     for a, b in zip((p, c1, c2, a1, a2, master, step), before):
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a,
                            b.view(torch.uint8) if b.dtype == torch.bfloat16 else b)
@@ -440,8 +447,9 @@ for dtype, mode in [(torch.float32, 0), (torch.float16, 1), (torch.bfloat16, 2),
     for _ in range(3):
         grads = [(torch.randn(n, generator=gen) * 1e-2).to(dtype) for n in sizes]
         ops.adam8bit_step_(ps, grads, c1s, c2s, a1s, a2s, masters, steps, qm.signed_map(),
-                           qm.unsigned_map(), 256, 1e-3, None, 0.9, 0.999, 1e-8, 1e-2, False,
-                           True, mode, backend="native")
+                           qm.unsigned_map(), block_size=256, lr=1e-3, lr_tensor=None, beta1=0.9,
+                           beta2=0.999, eps=1e-8, weight_decay=1e-2, maximize=False,
+                           decoupled=True, master_mode=mode, backend="native")
     for t in ps + c1s + c2s + a1s + a2s + masters:
         h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
 print(h.hexdigest())

@@ -30,7 +30,7 @@ def run_check(op_name, grads, backend, inv=1 / 1024.0, norms=True):
     inv_t = torch.tensor(inv, device=device)
     norm = torch.zeros((), device=device) if norms else None
     per = torch.zeros(len(grads), device=device) if norms else None
-    OPS[op_name](grads, found, inv_t, norm, per, backend=backend)
+    OPS[op_name](grads, found, inv_t, norm_sq=norm, norm_sq_per_tensor=per, backend=backend)
     return found, norm, per
 
 
@@ -87,7 +87,8 @@ def test_found_inf(device, backend, bad, where):
 def test_found_inf_never_cleared(device, backend):
     grads = make_grads(device)
     found = torch.ones((), device=device)
-    OPS["check_grads"](grads, found, torch.ones((), device=device), None, None, backend=backend)
+    OPS["check_grads"](grads, found, torch.ones((), device=device), norm_sq=None,
+                       norm_sq_per_tensor=None, backend=backend)
     assert found.item() == 1.0
 
 
@@ -107,7 +108,8 @@ def test_norm_accumulates(device, backend):
     grads = make_grads(device)
     found = torch.zeros((), device=device)
     norm = torch.full((), 5.0, device=device)
-    OPS["check_grads"](grads, found, torch.ones((), device=device), norm, None, backend=backend)
+    OPS["check_grads"](grads, found, torch.ones((), device=device), norm_sq=norm,
+                       norm_sq_per_tensor=None, backend=backend)
     expect = 5.0 + sum(g.double().pow(2).sum().item() for g in grads)
     assert norm.item() == pytest.approx(expect, rel=1e-5)
 
@@ -160,8 +162,10 @@ def test_update_scale(device, backend, case):
         ht = torch.full((), hyst, dtype=torch.int32, device=device)
         traj = []
         for f in seq:
-            OPS["update_scale_"](scale, gt, ht, torch.tensor(float(f), device=device), 2.0, 0.5,
-                                 interval, hyst, lo, hi, backend=be)
+            OPS["update_scale_"](scale, gt, ht, torch.tensor(float(f), device=device),
+                                 growth_factor=2.0, backoff_factor=0.5,
+                                 growth_interval=interval, hysteresis=hyst, min_scale=lo,
+                                 max_scale=hi, backend=be)
             traj.append((scale.item(), gt.item(), ht.item()))
         states.append(traj)
     assert states[0] == states[1]
@@ -178,8 +182,10 @@ def test_update_scale_any_factors(device, backend, growth, backoff):
         ht = torch.ones((), dtype=torch.int32, device=device)
         traj = []
         for f in [0, 0, 0, 1, 0, 0, 0, 0]:
-            OPS["update_scale_"](scale, gt, ht, torch.tensor(float(f), device=device), growth,
-                                 backoff, 1, 1, 0.0, float("inf"), backend=be)
+            OPS["update_scale_"](scale, gt, ht, torch.tensor(float(f), device=device),
+                                 growth_factor=growth,
+                                 backoff_factor=backoff, growth_interval=1, hysteresis=1,
+                                 min_scale=0.0, max_scale=float("inf"), backend=be)
             traj.append(scale.item())
         states.append(traj)
     assert states[0] == states[1]
@@ -194,7 +200,9 @@ def test_update_scale_matches_torch(device, backend):
         ht = torch.ones((), dtype=torch.int32, device=device)
         for f in [0, 0, 1, 0, 0, 0, 1, 0]:
             fi = torch.tensor(float(f), device=device)
-            OPS["update_scale_"](a, ga, ht, fi, 2.0, 0.25, 2, 1, 0.0, float("inf"), backend=backend)
+            OPS["update_scale_"](a, ga, ht, fi, growth_factor=2.0, backoff_factor=0.25,
+                                 growth_interval=2, hysteresis=1, min_scale=0.0,
+                                 max_scale=float("inf"), backend=backend)
             torch._amp_update_scale_(b, gb, fi, 2.0, 0.25, 2)
             assert (a.item(), ga.item()) == (b.item(), gb.item())
 
@@ -202,14 +210,17 @@ def test_update_scale_matches_torch(device, backend):
 @pytest.mark.parametrize("name", ["unscale_grads_", "check_grads"])
 def test_opcheck(name):
     grads = [torch.randn(5), torch.randn(3, 4).bfloat16()]
-    args = (grads, torch.zeros(()), torch.tensor(0.5), torch.zeros(()), torch.zeros(2))
-    torch.library.opcheck(OPS[name].overload, args)
+    args = (grads, torch.zeros(()), torch.tensor(0.5))
+    kwargs = dict(norm_sq=torch.zeros(()), norm_sq_per_tensor=torch.zeros(2))
+    torch.library.opcheck(OPS[name].overload, args, kwargs)
 
 
 def test_opcheck_update_scale():
     args = (torch.full((), 4.0), torch.zeros((), dtype=torch.int32),
-            torch.ones((), dtype=torch.int32), torch.zeros(()), 2.0, 0.5, 2, 1, 0.0, 1e30)
-    torch.library.opcheck(OPS["update_scale_"].overload, args)
+            torch.ones((), dtype=torch.int32), torch.zeros(()))
+    kwargs = dict(growth_factor=2.0, backoff_factor=0.5, growth_interval=2, hysteresis=1,
+                  min_scale=0.0, max_scale=1e30)
+    torch.library.opcheck(OPS["update_scale_"].overload, args, kwargs)
 
 
 def test_compile_fullgraph():

@@ -152,7 +152,8 @@ def test_check_op_agrees_within_the_norm_budget(dtype):
         gen = torch.Generator().manual_seed(seed)
         grads = [(torch.randn(s, generator=gen) * 64).to(dtype) for s in SHAPES + ((5000,),)]
         found, norm_sq = torch.zeros(()), torch.zeros(())
-        amp_ops.unscale_grads_(grads, found, torch.tensor(1 / 64.0), norm_sq, None,
+        amp_ops.unscale_grads_(grads, found, torch.tensor(1 / 64.0), norm_sq=norm_sq,
+                               norm_sq_per_tensor=None,
                                backend=backend)
         out[backend] = (grads, found, norm_sq)
     (g_n, f_n, n_n), (g_t, f_t, n_t) = out["native"], out["triton"]

@@ -26,9 +26,9 @@ def _adam_lists(s):
 
 
 def _adam_rest(**kw):
-    """The op's arguments after the lists, up to seed (a BoundOp binds param_ids, elem_offsets)."""
+    """The op's keyword arguments but param_ids, elem_offsets (a BoundOp binds those)."""
     h = {**HYPER, **kw}
-    return tuple(h[k] for k in ARG_ORDER if k not in ("param_ids", "elem_offsets"))
+    return {k: h[k] for k in ARG_ORDER if k not in ("param_ids", "elem_offsets")}
 
 
 # stochastic-rounding keys other than the defaults, bound once and passed to the plain call
@@ -40,6 +40,7 @@ class _NoPlainCall:
 
     def __init__(self, op):
         self.name, self.native_available = op.name, op.native_available
+        self.keyword_args = op.keyword_args
 
     def __call__(self, *args, **kwargs):
         raise AssertionError("BoundOp made the plain call")
@@ -74,14 +75,15 @@ def test_bound_adam_step_equals_plain_call(dev, dtype, mode, amsgrad):
                       max_grad_norm=1.0, seed=11)
     call = BoundOp(_NoPlainCall(OPS["adam_step_"]), _adam_lists(bound), IDS, OFFSETS)
     for _ in range(3):
-        OPS["adam_step_"](*(plain[k] for k in KEYS), *rest, IDS, OFFSETS, backend="native")
-        call(bound["grads"], *rest, backend="native")
+        OPS["adam_step_"](*(plain[k] for k in KEYS), **rest, param_ids=IDS, elem_offsets=OFFSETS,
+                          backend="native")
+        call(bound["grads"], **rest, backend="native")
     _assert_same(plain, bound)
     assert float(bound["steps"][0]) == float(s["steps"][0]) + 3
     # found_inf > 0: nothing changes, step counters included
     before = clone_state(bound)
-    call(bound["grads"], *_adam_rest(amsgrad=amsgrad, master_mode=mode,
-                                     found_inf=torch.ones((), device=dev)), backend="native")
+    call(bound["grads"], **_adam_rest(amsgrad=amsgrad, master_mode=mode,
+                                      found_inf=torch.ones((), device=dev)), backend="native")
     _assert_same(before, bound)
 
 
@@ -111,14 +113,17 @@ def test_bound_adam8bit_step_equals_plain_call(dev, dtype, mode):
             lists[7].append(torch.full((), 4.0))
         states.append([[t.to(dev) for t in ts] for ts in lists])
     plain, bound = states
-    rest = (qm.signed_map(dev), qm.unsigned_map(dev), block, 1e-3, None, 0.9, 0.999, 1e-8, 1e-2,
-            False, True, mode, torch.tensor(2.0, device=dev), torch.zeros((), device=dev),
-            torch.tensor(4.0, device=dev), 1.0, 7)
+    maps = (qm.signed_map(dev), qm.unsigned_map(dev))
+    rest = dict(block_size=block, lr=1e-3, lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8,
+                weight_decay=1e-2, maximize=False, decoupled=True, master_mode=mode,
+                grad_scale=torch.tensor(2.0, device=dev), found_inf=torch.zeros((), device=dev),
+                norm_sq=torch.tensor(4.0, device=dev), max_grad_norm=1.0, seed=7)
     ids, offsets = IDS[:len(sizes)], OFFSETS[:len(sizes)]
     call = BoundOp(_NoPlainCall(OPS["adam8bit_step_"]), [bound[0]] + bound[2:], ids, offsets)
     for _ in range(2):
-        OPS["adam8bit_step_"](*plain, *rest, ids, offsets, backend="native")
-        call(bound[1], *rest, backend="native")
+        OPS["adam8bit_step_"](*plain, *maps, **rest, param_ids=ids, elem_offsets=offsets,
+                              backend="native")
+        call(bound[1], *maps, **rest, backend="native")
     for a, b in zip(plain, bound):
         for x, y in zip(a, b):
             assert bits_equal(x, y)
@@ -130,8 +135,9 @@ def test_bound_op_off_native_is_the_plain_call():
     s = make_state(SHAPES, BF16, FP32_MASTER, False, "cpu")
     plain, bound = clone_state(s), clone_state(s)
     rest = _adam_rest(master_mode=FP32_MASTER)
-    OPS["adam_step_"](*(plain[k] for k in KEYS), *rest, IDS, OFFSETS, backend="reference")
-    BoundOp(OPS["adam_step_"], _adam_lists(bound), IDS, OFFSETS)(bound["grads"], *rest,
+    OPS["adam_step_"](*(plain[k] for k in KEYS), **rest, param_ids=IDS, elem_offsets=OFFSETS,
+                      backend="reference")
+    BoundOp(OPS["adam_step_"], _adam_lists(bound), IDS, OFFSETS)(bound["grads"], **rest,
                                                                  backend="reference")
     _assert_same(plain, bound)
 
@@ -141,17 +147,17 @@ def test_bound_lists_reject_wrong_binding():
     s = make_state([(3,)], F32, NONE, False, "cpu")
     lists = _adam_lists(s)
     with pytest.raises(RuntimeError, match="adam_step_ needs the 6 lists"):
-        BoundOp(OPS["adam_step_"], lists[:5])(s["grads"], *_adam_rest(), backend="native")
+        BoundOp(OPS["adam_step_"], lists[:5])(s["grads"], **_adam_rest(), backend="native")
     with pytest.raises(RuntimeError, match="lengths sum to 3 but 4 tensors"):
         torch.classes.mpfused.BoundLists([t for ts in lists for t in ts], [1, 1, 1, 0, 0, 0],
                                          [], [])
     with pytest.raises(RuntimeError, match="adam8bit_step_ needs the 7 lists"):
+        rest = {k: v for k, v in _adam_rest().items() if k != "amsgrad"}
         BoundOp(OPS["adam8bit_step_"], lists)(s["grads"], qm.signed_map(), qm.unsigned_map(),
-                                              256, *_adam_rest()[:6], False, True, 0, None,
-                                              None, None, 0.0, 0, backend="native")
+                                              block_size=256, **rest, backend="native")
     # the op's own checks still run: a grad of the wrong length
     with pytest.raises(RuntimeError, match="same length"):
-        BoundOp(OPS["adam_step_"], lists)(s["grads"] * 2, *_adam_rest(), backend="native")
+        BoundOp(OPS["adam_step_"], lists)(s["grads"] * 2, **_adam_rest(), backend="native")
 
 
 @needs_native
@@ -187,10 +193,10 @@ def test_step_op_under_grad_mode_updates_like_no_grad(device, backend, via):
     for p in a["params"]:
         p.requires_grad_(True)
     run = (OPS["adam_step_"].overload if via == "dispatcher"
-           else lambda *args: OPS["adam_step_"](*args, backend=backend))
-    run(*(a[k] for k in KEYS), *_adam_rest())
+           else lambda *args, **kwargs: OPS["adam_step_"](*args, **kwargs, backend=backend))
+    run(*(a[k] for k in KEYS), **_adam_rest())
     with torch.no_grad():
-        run(*(b[k] for k in KEYS), *_adam_rest())
+        run(*(b[k] for k in KEYS), **_adam_rest())
     for x, y in zip(a["params"], b["params"]):
         assert x.grad_fn is None and torch.equal(x.detach(), y)
 

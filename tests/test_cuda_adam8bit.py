@@ -15,12 +15,13 @@ import math
 import pytest
 import torch
 
-from mpfused import _extension
+from mpfused import _extension, quant4
 from mpfused import quant_maps as qm
 from mpfused.ops import OPS
 from mpfused.reference import adam as ref_adam
+from mpfused.reference import adam4bit as ref4
 from mpfused.reference import adam8bit as ref8
-from tests.tolerances import assert_close
+from tests.tolerances import REMAINDER8_TOL, assert_close
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -30,10 +31,11 @@ pytestmark = [
 
 DEV = "cuda"
 OP = "adam8bit_step_"
+OPS_BY_BITS = {8: OP, 4: "adam4bit_step_"}  # the same kernel, code width 8 or 4 (test_cuda_adam4bit.py)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MIXED = "mixed"
-MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC = 0, 1, 2, 3
-MODES = [MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC]
+MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC, MASTER_REMAINDER8 = 0, 1, 2, 3, 4
+MODES = [MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC, MASTER_REMAINDER8]
 P, G, C1, C2, A1, A2, MA, S = range(8)  # positions of the tensor lists in the op's arguments
 # sizes: tails of every kind, whole and partial 4096-element CUDA chunks, an empty tensor
 SIZES = [1, 3, 64, 65, 255, 4095, 4096, 4097, 8192 + 77, 0, 65536 + 129, 150_003]
@@ -53,9 +55,9 @@ def no_host_sync():
         torch.cuda.set_sync_debug_mode(prev)
 
 
-def native(*args):
+def native(*args, op=OP, **kwargs):
     with no_host_sync():
-        OPS[OP](*args, backend="native")
+        OPS[op](*args, **kwargs, backend="native")
 
 
 def scalar(x, dtype=torch.float32, device=DEV):
@@ -82,7 +84,14 @@ def with_layout(x, layout):
     return out
 
 
-def dtype_cycle(dtype, n):
+def dtype_cycle(dtype, n, mode=None):
+    """n dtypes: `dtype`, or MIXED's fp32 / fp16 / bf16 in turn. Master mode 4 (remainder8) needs
+    bf16 or fp32 params (the bindings refuse fp16): MIXED is then fp32 / bf16, fp16 a skip."""
+    if mode == MASTER_REMAINDER8:
+        if dtype == torch.float16:
+            pytest.skip("remainder8 (master mode 4) needs bf16 or fp32 params")
+        if dtype == MIXED:
+            return [(torch.float32, torch.bfloat16)[i % 2] for i in range(n)]
     return [DTYPES[i % 3] for i in range(n)] if dtype == MIXED else [dtype] * n
 
 
@@ -90,14 +99,25 @@ def clone_lists(lists, device=None):
     return [[t.to(device) if device else t.clone() for t in lst] for lst in lists]
 
 
+def maps(bits, device):
+    """The (signed, unsigned) maps of a code width: bitsandbytes' 256-entry ones, torchao's 16."""
+    if bits == 4:
+        return quant4.signed4_map(device), quant4.unsigned4_map(device)
+    return qm.signed_map(device), qm.unsigned_map(device)
+
+
 class Q8Case:
-    """One adam8bit_step_ call: 8-bit state quantized from random fp32 moments, on the GPU."""
+    """One adam8bit_step_ call (bits=4: adam4bit_step_): 8-bit (4-bit packed) state quantized from
+    random fp32 moments, on the GPU. 4-bit codes are contiguous (the op's rule): laid out "offset"
+    (one byte past an aligned start) where the params are, else contiguous."""
 
     def __init__(self, shapes, dtypes, mode, block=256, layouts=("contig",), grad_scale=None,
                  clip=False, lr_kind="float", maximize=False, decoupled=True, weight_decay=0.01,
-                 fresh=False):
-        self.mode, self.block = mode, block
-        self.qmap1, self.qmap2 = qm.signed_map(DEV), qm.unsigned_map(DEV)
+                 fresh=False, bits=8):
+        self.mode, self.block, self.bits = mode, block, bits
+        self.op = OPS_BY_BITS[bits]
+        self.qmap1, self.qmap2 = maps(bits, DEV)
+        quantize = quant4.quantize4_blockwise if bits == 4 else qm.quantize_blockwise
         self.params, self.grads, self.c1, self.c2, self.a1, self.a2, self.masters = ([] for _ in range(7))
         for i, (shape, dt) in enumerate(zip(shapes, dtypes)):
             shape = (shape,) if isinstance(shape, int) else tuple(shape)
@@ -108,23 +128,28 @@ class Q8Case:
             if mode == MASTER_REMAINDER and dt == torch.bfloat16:
                 p0, rem = ref_adam.remainder_split(w0.contiguous())
                 self.masters.append(with_layout(rem, layout))
+            elif mode == MASTER_REMAINDER8 and dt == torch.bfloat16:
+                p0, rem = ref_adam.remainder8_split(w0.contiguous())
+                self.masters.append(with_layout(rem, layout))
             else:
                 p0 = w0.to(dt)
                 if mode == MASTER_FP32:
                     self.masters.append(with_layout(w0, layout))
-                elif mode == MASTER_REMAINDER:
+                elif mode in (MASTER_REMAINDER, MASTER_REMAINDER8):  # unused: must stay as it is
+                    idt, lim = (torch.int16, 2**15) if mode == MASTER_REMAINDER else (torch.int8, 2**7)
                     self.masters.append(with_layout(torch.randint(
-                        -2**15, 2**15, shape, device=DEV, dtype=torch.int16), layout))
+                        -lim, lim, shape, device=DEV, dtype=idt), layout))
             self.params.append(with_layout(p0, layout))
             # bitsandbytes-like magnitudes: the g^2 term is a small part of v (see ABSMAX_RTOL)
             g = torch.randn(shape, device=DEV) * 0.01 * (grad_scale or 1.0)
             self.grads.append(with_layout(g.to(dt), layout))
             m = torch.zeros(shape, device=DEV) if fresh else torch.randn(shape, device=DEV) * 1e-3
             v = torch.zeros(shape, device=DEV) if fresh else torch.rand(shape, device=DEV) * 1e-5
-            c1, a1 = qm.quantize_blockwise(m, self.qmap1, block)
-            c2, a2 = qm.quantize_blockwise(v, self.qmap2, block)
-            self.c1.append(with_layout(c1, layout))
-            self.c2.append(with_layout(c2, layout))
+            c1, a1 = quantize(m, self.qmap1, block)
+            c2, a2 = quantize(v, self.qmap2, block)
+            code_layout = layout if bits == 8 else ("offset" if layout == "offset" else "contig")
+            self.c1.append(with_layout(c1, code_layout))
+            self.c2.append(with_layout(c2, code_layout))
             self.a1.append(a1)
             self.a2.append(a2)
         self.steps = [scalar(float((3 * i) % 7)) for i in range(len(self.params))]
@@ -146,44 +171,59 @@ class Q8Case:
         return [self.params, self.grads, self.c1, self.c2, self.a1, self.a2, self.masters,
                 self.steps]
 
-    def args(self, lists, mode=None, device=None):
+    def args(self, lists, device=None):
+        """adam8bit_step_'s operands: the lists and the two maps."""
+        q1, q2 = (self.qmap1, self.qmap2) if device is None else maps(self.bits, device)
+        return (*lists, q1, q2)
+
+    def kwargs(self, mode=None, device=None):
+        """adam8bit_step_'s keyword arguments."""
         h = self.hyper
 
         def on(t):
             return t if t is None or device is None else t.to(device)
 
-        q1, q2 = (self.qmap1, self.qmap2) if device is None else (qm.signed_map(device),
-                                                                   qm.unsigned_map(device))
-        return (*lists, q1, q2, self.block, self.lr, on(self.lr_tensor), h["beta1"], h["beta2"],
-                h["eps"], h["weight_decay"], h["maximize"], h["decoupled"],
-                self.mode if mode is None else mode, on(self.grad_scale), on(self.found_inf),
-                on(self.norm_sq), self.max_grad_norm, self.seed)
+        return dict(block_size=self.block, lr=self.lr, lr_tensor=on(self.lr_tensor),
+                    beta1=h["beta1"], beta2=h["beta2"], eps=h["eps"],
+                    weight_decay=h["weight_decay"], maximize=h["maximize"],
+                    decoupled=h["decoupled"], master_mode=self.mode if mode is None else mode,
+                    grad_scale=on(self.grad_scale), found_inf=on(self.found_inf),
+                    norm_sq=on(self.norm_sq), max_grad_norm=self.max_grad_norm, seed=self.seed)
 
     def step_and_compare(self):
         """One native step against the reference (run from the same state)."""
         before = clone_lists(self.lists())
         ref = clone_lists(self.lists())
-        native(*self.args(self.lists()))
-        ref8.adam8bit_step_(*self.args(ref))
-        # fp16 params ignore the remainder/stochastic modes (cpu::pick_kernel): round to nearest.
+        reference = ref4.adam4bit_step_ if self.bits == 4 else ref8.adam8bit_step_
+        native(*self.args(self.lists()), op=self.op, **self.kwargs())
+        reference(*self.args(ref), **self.kwargs())
+        # fp16 params ignore the remainder/stochastic modes (effective_master_mode): round to
+        # nearest.
         ref16 = None
-        if self.mode in (MASTER_REMAINDER, MASTER_STOCHASTIC):
+        if self.mode in (MASTER_REMAINDER, MASTER_STOCHASTIC, MASTER_REMAINDER8):
             ref16 = clone_lists(before)
-            ref8.adam8bit_step_(*self.args(ref16, mode=MASTER_NONE))
+            reference(*self.args(ref16), **self.kwargs(mode=MASTER_NONE))
         nat = self.lists()
         for i, p in enumerate(self.params):
             r = ref16 if (ref16 is not None and p.dtype == torch.float16) else ref
             assert torch.equal(self.grads[i], before[G][i]), "grads must not change"
             assert_close(p, r[P][i], p.dtype)
             for k in (C1, C2):
-                assert_codes_close(nat[k][i], r[k][i])
+                if self.bits == 4:
+                    assert_codes_close(quant4.unpack4(nat[k][i], p.numel()),
+                                       quant4.unpack4(r[k][i], p.numel()))
+                else:
+                    assert_codes_close(nat[k][i], r[k][i])
             for k in (A1, A2):
                 assert_absmax_close(nat[k][i], r[k][i], before[k][i], k)
             if self.masters:
                 if self.mode == MASTER_REMAINDER and p.dtype == torch.bfloat16:
                     assert_close(ref_adam.remainder_join(p, self.masters[i]),
                                  ref_adam.remainder_join(r[P][i], r[MA][i]))
-                elif self.masters[i].dtype == torch.int16 or p.dtype == torch.float32:
+                elif self.mode == MASTER_REMAINDER8 and p.dtype == torch.bfloat16:
+                    assert_close(ref_adam.remainder8_join(p, self.masters[i]),
+                                 ref_adam.remainder8_join(r[P][i], r[MA][i]), **REMAINDER8_TOL)
+                elif self.masters[i].dtype in (torch.int16, torch.int8) or p.dtype == torch.float32:
                     assert torch.equal(self.masters[i], before[MA][i]), "unused master written"
                 else:
                     assert_close(self.masters[i], r[MA][i])
@@ -225,7 +265,7 @@ def assert_lists_equal(a, b, what=""):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", DTYPES + [MIXED], ids=str)
 def test_matches_reference(dtype, mode, block):
-    case = Q8Case(SIZES, dtype_cycle(dtype, len(SIZES)), mode, block=block,
+    case = Q8Case(SIZES, dtype_cycle(dtype, len(SIZES), mode), mode, block=block,
                   maximize=block == 2048, decoupled=block != 64)
     for _ in range(2):  # the second step starts from the kernel's own 8-bit state
         case.step_and_compare()
@@ -250,7 +290,7 @@ def test_device_scalars(grad_scale, clip, lr_kind):
 @pytest.mark.parametrize("mode", MODES)
 def test_noncontiguous_and_misaligned(mode, layouts):
     shapes = [(37, 129), (300, 257), (1, 5), (0, 4), (1030, 70), (2, 3), (64, 65)]
-    case = Q8Case(shapes, dtype_cycle(MIXED, len(shapes)), mode, layouts=layouts)
+    case = Q8Case(shapes, dtype_cycle(MIXED, len(shapes), mode), mode, layouts=layouts)
     strides = [p.stride() for p in case.params]
     case.step_and_compare()
     assert [p.stride() for p in case.params] == strides
@@ -269,11 +309,11 @@ def test_many_small_tensors():
 def test_matches_cpu_kernel_bitwise(mode, block):
     if not OPS[OP].native_available("cpu"):
         pytest.skip("no native CPU kernel")
-    case = Q8Case(SIZES, dtype_cycle(MIXED, len(SIZES)), mode, block=block, grad_scale=256.0,
+    case = Q8Case(SIZES, dtype_cycle(MIXED, len(SIZES), mode), mode, block=block, grad_scale=256.0,
                   clip=True, lr_kind="cuda32", layouts=("contig", "offset", "contig"))
     cpu = clone_lists(case.lists(), device="cpu")
-    native(*case.args(case.lists()))
-    OPS[OP](*case.args(cpu, device="cpu"), backend="native")
+    native(*case.args(case.lists()), **case.kwargs())
+    OPS[OP](*case.args(cpu, device="cpu"), **case.kwargs(device="cpu"), backend="native")
     assert_lists_equal(case.lists(), cpu)
 
 
@@ -287,7 +327,7 @@ def test_skips_on_found_inf_bit_identical(found, layout):
                   grad_scale=1024.0, clip=True)
     case.found_inf.fill_(found)
     before = clone_lists(case.lists())
-    native(*case.args(case.lists()))
+    native(*case.args(case.lists()), **case.kwargs())
     assert_lists_equal(case.lists(), before, "a found_inf step must change nothing: ")
 
 
@@ -311,7 +351,7 @@ def test_bad_map_poisons_absmax_and_writes_nothing_else(bad):
         q1 = case.qmap2.clone()  # +0 at index 0
     case.qmap1 = q1
     before = clone_lists(case.lists())
-    native(*case.args(case.lists()))
+    native(*case.args(case.lists()), **case.kwargs())
     for k in (P, C1, C2, MA):
         for a, b in zip(case.lists()[k], before[k]):
             assert torch.equal(a, b)
@@ -326,19 +366,17 @@ def test_errors():
     with pytest.raises(RuntimeError, match="qmap1"):
         cpu_map = case.args(lists)
         cpu_map = (*cpu_map[:8], qm.signed_map("cpu"), *cpu_map[9:])
-        OPS[OP](*cpu_map, backend="native")
+        OPS[OP](*cpu_map, **case.kwargs(), backend="native")
     with pytest.raises(RuntimeError, match="absmax"):
         OPS[OP](*case.args(lists[:4] + [[a[:-1] for a in lists[A1]]] + lists[5:]),
-                backend="native")
+                **case.kwargs(), backend="native")
     with pytest.raises(RuntimeError, match="block_size"):
-        args = list(case.args(lists))
-        args[10] = 96
-        OPS[OP](*args, backend="native")
+        OPS[OP](*case.args(lists), **{**case.kwargs(), "block_size": 96}, backend="native")
     with pytest.raises(RuntimeError, match="master"):
-        OPS[OP](*case.args(lists[:6] + [[]] + lists[7:]), backend="native")
+        OPS[OP](*case.args(lists[:6] + [[]] + lists[7:]), **case.kwargs(), backend="native")
     case.grad_scale = torch.tensor(2.0)  # on the CPU
     with pytest.raises(RuntimeError, match="grad_scale"):
-        OPS[OP](*case.args(lists), backend="native")
+        OPS[OP](*case.args(lists), **case.kwargs(), backend="native")
 
 
 def test_optimizer_picks_native_cuda_and_needs_no_sync():
@@ -377,13 +415,13 @@ def test_cuda_graph_capture_matches_eager():
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up outside the capture (lazy module loading etc.)
-        native(*case.args(case.lists()))
+        native(*case.args(case.lists()), **case.kwargs())
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     restore()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        native(*case.args(case.lists()))
+        native(*case.args(case.lists()), **case.kwargs())
     restore()
 
     for it in range(5):
@@ -395,7 +433,7 @@ def test_cuda_graph_capture_matches_eager():
             ge.copy_(new)
         before = clone_lists(case.lists())
         graph.replay()
-        native(*case.args(eager))
+        native(*case.args(eager), **case.kwargs())
         torch.cuda.synchronize()
         assert_lists_equal(case.lists(), eager, f"replay {it}: ")
         if found:
@@ -406,9 +444,9 @@ def test_cuda_graph_capture_matches_eager():
 
 @pytest.mark.parametrize("mode", MODES)
 def test_opcheck(mode):
-    case = Q8Case([7, (4, 3), 0, 1000], dtype_cycle(MIXED, 4), mode, grad_scale=8.0, clip=True,
+    case = Q8Case([7, (4, 3), 0, 1000], dtype_cycle(MIXED, 4, mode), mode, grad_scale=8.0, clip=True,
                   lr_kind="cuda32")
-    torch.library.opcheck(OPS[OP].overload, case.args(case.lists()))
+    torch.library.opcheck(OPS[OP].overload, case.args(case.lists()), case.kwargs())
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.mem_get_info()[0] < 24 * 2**30,
@@ -428,12 +466,14 @@ def test_beyond_int32_elements():
     p[tail] = torch.randn(n - start, device=DEV).bfloat16()
     g[tail] = torch.randn(n - start, device=DEV).bfloat16()
     saved = [x[tail].clone() for x in (p, g, c1, c2)] + [x[start // block:].clone() for x in (a1, a2)]
-    hyper = (qm.signed_map(DEV), qm.unsigned_map(DEV), block, 1e-3, None, 0.9, 0.999, 1e-8, 0.01,
-             False, True, MASTER_NONE, None, None, None, 0.0, 0)
+    maps = (qm.signed_map(DEV), qm.unsigned_map(DEV))
+    hyper = dict(block_size=block, lr=1e-3, lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8,
+                 weight_decay=0.01, maximize=False, decoupled=True, master_mode=MASTER_NONE,
+                 grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0, seed=0)
     step = scalar(0.0)
-    native([p], [g], [c1], [c2], [a1], [a2], [], [step], *hyper)
+    native([p], [g], [c1], [c2], [a1], [a2], [], [step], *maps, **hyper)
     sp, sg, sc1, sc2, sa1, sa2 = saved
-    ref8.adam8bit_step_([sp], [sg], [sc1], [sc2], [sa1], [sa2], [], [scalar(0.0)], *hyper)
+    ref8.adam8bit_step_([sp], [sg], [sc1], [sc2], [sa1], [sa2], [], [scalar(0.0)], *maps, **hyper)
     assert_close(p[tail], sp)
     assert_codes_close(c1[tail], sc1)
     assert_codes_close(c2[tail], sc2)

@@ -11,7 +11,8 @@ memory per block. Four programs:
 * amp_adam_vs_cpu: cuda::amp_check / update_scale / adam_step / increment_steps against the CPU
   kernels, byte for byte (sums of squares against an exact double sum);
 * adam8bit_vs_cpu: cuda::adam8bit_step (its prepare and main launches) against
-  cpu::adam8bit_step, byte for byte, and what the step leaves in its workspace;
+  cpu::adam8bit_step, byte for byte, and what the step leaves in its workspace, for both code
+  widths (8-bit codes: adam8bit_step_; 4-bit packed codes, 16-entry maps: adam4bit_step_);
 * sgd_lion_vs_cpu: cuda::sgd_step / lion_step (the generic elementwise kernel) + increment_steps
   against the shared per-element math run as the CPU kernels run it, byte for byte.
 
@@ -100,10 +101,13 @@ def checkers(job) -> dict[str, list[str]]:
 
 
 def maps_file(job) -> Path:
-    """The 8-bit signed + unsigned maps as 512 little-endian floats (the 8-bit programs' input)."""
+    """The quantization maps as little-endian floats, the quantized programs' input: the 8-bit
+    signed and unsigned maps (512), then the 4-bit ones (32; read by adam8bit_vs_cpu only)."""
+    from mpfused.quant4 import signed4_map, unsigned4_map
     from mpfused.quant_maps import signed_map, unsigned_map
     maps = Path(job.tmp) / "maps.bin"
-    maps.write_bytes(struct.pack("<512f", *(signed_map().tolist() + unsigned_map().tolist())))
+    maps.write_bytes(struct.pack("<544f", *(signed_map().tolist() + unsigned_map().tolist()
+                                            + signed4_map().tolist() + unsigned4_map().tolist())))
     return maps
 
 
@@ -229,7 +233,10 @@ def test_cuda_amp_and_adam_kernels_match_cpu_kernels(programs, checker):
 
 @pytest.mark.parametrize("checker", list(CHECKERS))
 def test_cuda_adam8bit_kernel_matches_cpu_kernel(programs, checker):
-    _check(programs, checker, "adam8bit_vs_cpu")
+    """Both code widths: adam8bit_step_'s and adam4bit_step_'s CUDA kernel."""
+    out = _check(programs, checker, "adam8bit_vs_cpu")
+    m = re.search(r"8-bit cases (\d+), 4-bit cases (\d+), bad-argument cases (\d+)", out)
+    assert m and all(int(x) > 0 for x in m.groups()), out
 
 
 @pytest.mark.parametrize("checker", list(CHECKERS))

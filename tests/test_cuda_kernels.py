@@ -15,7 +15,7 @@ from mpfused import _extension
 from mpfused.ops import OPS
 from mpfused.reference import adam as ref_adam
 from mpfused.reference import amp as ref_amp
-from tests.tolerances import OP_TOL, assert_close
+from tests.tolerances import OP_TOL, REMAINDER8_TOL, assert_close
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -27,7 +27,8 @@ DEV = "cuda"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 MIXED = "mixed"
 NORM_TOL = {"rtol": 1e-5, "atol": 1e-6}  # fp32 partial sums vs the float64 reference
-MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC = 0, 1, 2, 3
+MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC, MASTER_REMAINDER8 = 0, 1, 2, 3, 4
+MODES = [MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC, MASTER_REMAINDER8]
 
 
 @contextlib.contextmanager
@@ -40,9 +41,18 @@ def no_host_sync():
         torch.cuda.set_sync_debug_mode(prev)
 
 
-def native(name, *args):
+def native(name, *args, **kwargs):
     with no_host_sync():
-        OPS[name](*args, backend="native")
+        OPS[name](*args, **kwargs, backend="native")
+
+
+UPDATE_KEYS = ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale",
+               "max_scale")
+
+
+def update_kw(*values):
+    """update_scale_'s keyword arguments from (growth, backoff, interval, hysteresis, min, max)."""
+    return dict(zip(UPDATE_KEYS, values))
 
 
 def scalar(x, dtype=torch.float32, device=DEV):
@@ -70,7 +80,14 @@ def with_layout(x, layout):
     return out
 
 
-def dtype_cycle(dtype, n):
+def dtype_cycle(dtype, n, mode=None):
+    """n dtypes: `dtype`, or MIXED's fp32 / fp16 / bf16 in turn. Master mode 4 (remainder8) needs
+    bf16 or fp32 params (the bindings refuse fp16): MIXED is then fp32 / bf16, fp16 a skip."""
+    if mode == MASTER_REMAINDER8:
+        if dtype == torch.float16:
+            pytest.skip("remainder8 (master mode 4) needs bf16 or fp32 params")
+        if dtype == MIXED:
+            return [(torch.float32, torch.bfloat16)[i % 2] for i in range(n)]
     return [DTYPES[i % 3] for i in range(n)] if dtype == MIXED else [dtype] * n
 
 
@@ -108,11 +125,11 @@ def run_check(grads, op, inv, found0=0.0, norm=True, per_tensor=True):
         inv_t = scalar(inv)
         ns = scalar(1.25) if norm else None
         per = torch.linspace(0.5, 1.5, len(gs), device=DEV) if per_tensor else None
-        args = (gs, found, inv_t, ns, per)
+        args, kwargs = (gs, found, inv_t), dict(norm_sq=ns, norm_sq_per_tensor=per)
         if kind == "native":
-            native(op, *args)
+            native(op, *args, **kwargs)
         else:
-            getattr(ref_amp, op)(*args)
+            getattr(ref_amp, op)(*args, **kwargs)
         out[kind] = dict(grads=gs, found=found, norm=ns, per=per)
     return out["native"], out["ref"]
 
@@ -196,10 +213,10 @@ def test_found_inf(dtype, op, where, bad):
 def test_found_inf_is_never_cleared():
     grads = make_grads([100, 70000], MIXED)
     found = scalar(1.0)
-    native("check_grads", grads, found, scalar(1.0), None, None)
+    native("check_grads", grads, found, scalar(1.0))
     assert found.item() == 1.0
     found = scalar(0.0)
-    native("check_grads", grads, found, scalar(1.0), None, None)
+    native("check_grads", grads, found, scalar(1.0))
     assert found.item() == 0.0
 
 
@@ -208,7 +225,7 @@ def test_norm_is_deterministic():
     outs = []
     for _ in range(3):
         ns, per = scalar(0.0), torch.zeros(4, device=DEV)
-        native("check_grads", grads, scalar(0.0), scalar(0.1), ns, per)
+        native("check_grads", grads, scalar(0.0), scalar(0.1), norm_sq=ns, norm_sq_per_tensor=per)
         outs.append((ns, per))
     for ns, per in outs[1:]:
         assert torch.equal(ns, outs[0][0]) and torch.equal(per, outs[0][1])
@@ -216,9 +233,9 @@ def test_norm_is_deterministic():
 
 def test_empty_lists_and_all_empty_tensors():
     found, ns, per = scalar(0.0), scalar(2.0), torch.ones(2, device=DEV)
-    native("unscale_grads_", [], found, scalar(1.0), ns, None)
+    native("unscale_grads_", [], found, scalar(1.0), norm_sq=ns)
     native("unscale_grads_", [torch.empty(0, device=DEV), torch.empty(0, 3, device=DEV)],
-           found, scalar(1.0), ns, per)
+           found, scalar(1.0), norm_sq=ns, norm_sq_per_tensor=per)
     assert found.item() == 0.0 and ns.item() == 2.0 and per.tolist() == [1.0, 1.0]
 
 
@@ -227,7 +244,8 @@ def test_check_errors():
     with pytest.raises(RuntimeError, match="found_inf"):
         OPS["check_grads"](g, torch.zeros(()), scalar(1.0), backend="native")
     with pytest.raises(RuntimeError, match="norm_sq_per_tensor"):
-        OPS["check_grads"](g, scalar(0.0), scalar(1.0), None, torch.zeros(2, device=DEV),
+        OPS["check_grads"](g, scalar(0.0), scalar(1.0), norm_sq=None,
+                           norm_sq_per_tensor=torch.zeros(2, device=DEV),
                            backend="native")
     with pytest.raises(RuntimeError, match="float32, float16 or bfloat16"):
         OPS["check_grads"]([torch.ones(3, device=DEV, dtype=torch.float64)], scalar(0.0),
@@ -242,12 +260,12 @@ def test_check_beyond_int32_elements():
     hi = 2**31 + 500
     g[hi] = 4.0
     found, ns = scalar(0.0), scalar(0.0)
-    native("unscale_grads_", [g], found, scalar(0.5), ns, None)
+    native("unscale_grads_", [g], found, scalar(0.5), norm_sq=ns)
     assert found.item() == 0.0
     assert g[0].item() == 0.5 and g[hi].item() == 2.0 and g[-1].item() == 0.5
     assert ns.item() == pytest.approx((n - 1) * 0.25 + 4.0, rel=1e-6)
     g[2**31 + 999] = float("nan")
-    native("check_grads", [g], found, scalar(1.0), None, None)
+    native("check_grads", [g], found, scalar(1.0))
     assert found.item() == 1.0
     del g
     torch.cuda.empty_cache()
@@ -269,15 +287,16 @@ def test_update_scale_matches_reference(cfg):
     ref = [t.clone() for t in nat]
     for _ in range(40):
         f = float(torch.rand((), generator=gen) < 0.3)
-        native("update_scale_", *nat, scalar(f), growth, backoff, interval, hyst, mn, mx)
-        ref_amp.update_scale_(*ref, scalar(f), growth, backoff, interval, hyst, mn, mx)
+        upd = update_kw(growth, backoff, interval, hyst, mn, mx)
+        native("update_scale_", *nat, scalar(f), **upd)
+        ref_amp.update_scale_(*ref, scalar(f), **upd)
         for a, b in zip(nat, ref):
             assert torch.equal(a, b)
 
 
 def test_update_scale_refuses_non_finite_growth():
     s, g, h = scalar(3e38), scalar(0, torch.int32), scalar(1, torch.int32)
-    native("update_scale_", s, g, h, scalar(0.0), 2.0, 0.5, 1, 1, 0.0, math.inf)
+    native("update_scale_", s, g, h, scalar(0.0), **update_kw(2.0, 0.5, 1, 1, 0.0, math.inf))
     assert s.item() == pytest.approx(3e38) and g.item() == 0
 
 
@@ -303,13 +322,17 @@ class AdamCase:
             if mode == MASTER_REMAINDER and dt == torch.bfloat16:
                 p0, rem = ref_adam.remainder_split(w0.contiguous())
                 self.masters.append(with_layout(rem, state_layout))
+            elif mode == MASTER_REMAINDER8 and dt == torch.bfloat16:
+                p0, rem = ref_adam.remainder8_split(w0.contiguous())
+                self.masters.append(with_layout(rem, state_layout))
             else:
                 p0 = w0.to(dt)
                 if mode == MASTER_FP32:
                     self.masters.append(with_layout(w0, state_layout))
-                elif mode == MASTER_REMAINDER:
+                elif mode in (MASTER_REMAINDER, MASTER_REMAINDER8):  # unused: must stay as it is
+                    idt, lim = (torch.int16, 2**15) if mode == MASTER_REMAINDER else (torch.int8, 2**7)
                     self.masters.append(with_layout(torch.randint(
-                        -2**15, 2**15, shape, device=DEV, dtype=torch.int16), state_layout))
+                        -lim, lim, shape, device=DEV, dtype=idt), state_layout))
             self.params.append(with_layout(p0, layout))
             g = torch.randn(shape, device=DEV) * (grad_scale or 1.0)
             self.grads.append(with_layout(g.to(dt), layout))
@@ -338,24 +361,28 @@ class AdamCase:
     def lists(self):
         return [self.params, self.grads, self.m, self.v, self.vmax, self.masters, self.steps]
 
-    def args(self, lists, mode=None):
-        h = self.hyper
-        return (*lists, self.lr, self.lr_tensor, h["beta1"], h["beta2"], h["eps"],
-                h["weight_decay"], h["amsgrad"], h["maximize"], h["decoupled"],
-                self.mode if mode is None else mode, self.grad_scale, self.found_inf,
-                self.norm_sq, self.max_grad_norm, self.seed)
+    def args(self, lists):
+        """adam_step_'s operands: the lists."""
+        return tuple(lists)
+
+    def kwargs(self, mode=None):
+        """adam_step_'s keyword arguments."""
+        return dict(lr=self.lr, lr_tensor=self.lr_tensor, **self.hyper,
+                    master_mode=self.mode if mode is None else mode, grad_scale=self.grad_scale,
+                    found_inf=self.found_inf, norm_sq=self.norm_sq,
+                    max_grad_norm=self.max_grad_norm, seed=self.seed)
 
     def step_and_compare(self):
         ref = [clones(x) for x in self.lists()]
         before = [clones(x) for x in self.lists()]
-        native("adam_step_", *self.args(self.lists()))
-        ref_adam.adam_step_(*self.args(ref))
-        # fp16 params ignore the remainder/stochastic modes (cpu::pick_elementwise_chunk): round
-        # to nearest.
+        native("adam_step_", *self.args(self.lists()), **self.kwargs())
+        ref_adam.adam_step_(*self.args(ref), **self.kwargs())
+        # fp16 params ignore the remainder/stochastic modes (effective_master_mode): round to
+        # nearest.
         ref16 = None
-        if self.mode in (MASTER_REMAINDER, MASTER_STOCHASTIC):
+        if self.mode in (MASTER_REMAINDER, MASTER_STOCHASTIC, MASTER_REMAINDER8):
             ref16 = [clones(x) for x in before]
-            ref_adam.adam_step_(*self.args(ref16, mode=MASTER_NONE))
+            ref_adam.adam_step_(*self.args(ref16), **self.kwargs(mode=MASTER_NONE))
         P, G, M, V, VM, MA, S = range(7)
         nat = self.lists()
         for i, p in enumerate(self.params):
@@ -370,7 +397,10 @@ class AdamCase:
                 if self.mode == MASTER_REMAINDER and p.dtype == torch.bfloat16:
                     assert_close(ref_adam.remainder_join(p, self.masters[i]),
                                  ref_adam.remainder_join(r[P][i], r[MA][i]))
-                elif self.masters[i].dtype == torch.int16:
+                elif self.mode == MASTER_REMAINDER8 and p.dtype == torch.bfloat16:
+                    assert_close(ref_adam.remainder8_join(p, self.masters[i]),
+                                 ref_adam.remainder8_join(r[P][i], r[MA][i]), **REMAINDER8_TOL)
+                elif self.masters[i].dtype in (torch.int16, torch.int8):
                     assert torch.equal(self.masters[i], before[MA][i])
                 else:
                     assert_close(self.masters[i], r[MA][i])
@@ -389,10 +419,10 @@ ADAM_SHAPES = [1, 3, 4, 17, 1000, 4097, 65536, 65537 + 2, 0, 150_003]
 
 
 @pytest.mark.parametrize("amsgrad", [False, True])
-@pytest.mark.parametrize("mode", [MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC])
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", DTYPES + [MIXED], ids=str)
 def test_adam_matches_reference(dtype, mode, amsgrad):
-    case = AdamCase(ADAM_SHAPES, dtype_cycle(dtype, len(ADAM_SHAPES)), mode,
+    case = AdamCase(ADAM_SHAPES, dtype_cycle(dtype, len(ADAM_SHAPES), mode), mode,
                     amsgrad=amsgrad, decoupled=not amsgrad, maximize=amsgrad)
     run_adam(case)
 
@@ -409,20 +439,20 @@ def test_adam_device_scalars(grad_scale, clip, lr_kind):
 @pytest.mark.parametrize("state_layout_same", [False, True])
 @pytest.mark.parametrize("layouts", [("offset",), ("strided",), ("transposed",),
                                      ("contig", "offset", "strided", "transposed")], ids=str)
-@pytest.mark.parametrize("mode", [MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC])
+@pytest.mark.parametrize("mode", MODES)
 def test_adam_noncontiguous(mode, layouts, state_layout_same):
     shapes = [(37, 129), (300, 257), (1, 5), (0, 4), (1030, 70), (2, 3)]
-    case = AdamCase(shapes, dtype_cycle(MIXED, len(shapes)), mode, layouts=layouts,
+    case = AdamCase(shapes, dtype_cycle(MIXED, len(shapes), mode), mode, layouts=layouts,
                     state_layout_same=state_layout_same)
     strides = [p.stride() for p in case.params]
     run_adam(case, nsteps=2)
     assert [p.stride() for p in case.params] == strides
 
 
-@pytest.mark.parametrize("mode", [MASTER_FP32, MASTER_STOCHASTIC])
+@pytest.mark.parametrize("mode", [MASTER_FP32, MASTER_STOCHASTIC, MASTER_REMAINDER8])
 def test_adam_many_small_tensors(mode):
     shapes = torch.randint(0, 200, (400,)).tolist()  # several launches (54 tensors per launch)
-    case = AdamCase(shapes, dtype_cycle(MIXED, len(shapes)), mode, amsgrad=True)
+    case = AdamCase(shapes, dtype_cycle(MIXED, len(shapes), mode), mode, amsgrad=True)
     run_adam(case, nsteps=2)
 
 
@@ -433,7 +463,7 @@ def test_adam_skips_on_found_inf(found, grad_scale):
                     amsgrad=True, grad_scale=grad_scale, clip=True)
     case.found_inf.fill_(found)
     before = [clones(x) for x in case.lists()]
-    native("adam_step_", *case.args(case.lists()))
+    native("adam_step_", *case.args(case.lists()), **case.kwargs())
     for new, old in zip(case.lists(), before):
         for a, b in zip(new, old):
             assert torch.equal(a, b), "a found_inf step must change nothing (steps included)"
@@ -448,8 +478,8 @@ def test_adam_stochastic_rounding_stream_matches_reference_bitwise(layout):
     case = AdamCase(shapes, [torch.bfloat16] * 4, MASTER_STOCHASTIC, weight_decay=0.0,
                     layouts=(layout,), state_layout_same=True)
     ref = [clones(x) for x in case.lists()]
-    native("adam_step_", *case.args(case.lists()))
-    ref_adam.adam_step_(*case.args(ref))
+    native("adam_step_", *case.args(case.lists()), **case.kwargs())
+    ref_adam.adam_step_(*case.args(ref), **case.kwargs())
     for p, r in zip(case.params, ref[0]):
         if p.numel():
             assert (p.view(torch.int16) != r.view(torch.int16)).double().mean().item() < 1e-3
@@ -460,12 +490,13 @@ def test_adam_errors():
     lists = case.lists()
     bad_steps = [s.double() for s in case.steps]
     with pytest.raises(RuntimeError, match="steps"):
-        OPS["adam_step_"](*case.args(lists[:6] + [bad_steps]), backend="native")
+        OPS["adam_step_"](*case.args(lists[:6] + [bad_steps]), **case.kwargs(), backend="native")
     with pytest.raises(RuntimeError, match="master"):
-        OPS["adam_step_"](*case.args(lists[:5] + [[]] + lists[6:]), backend="native")
+        OPS["adam_step_"](*case.args(lists[:5] + [[]] + lists[6:]), **case.kwargs(),
+                          backend="native")
     case.grad_scale = torch.tensor(2.0)  # on the CPU
     with pytest.raises(RuntimeError, match="grad_scale"):
-        OPS["adam_step_"](*case.args(lists), backend="native")
+        OPS["adam_step_"](*case.args(lists), **case.kwargs(), backend="native")
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.mem_get_info()[0] < 40 * 2**30,
@@ -481,10 +512,11 @@ def test_adam_beyond_int32_elements():
     g[tail] = torch.randn(n - (2**31 - 300), device=DEV).bfloat16()
     sp, sg, sm, sv = p[tail].clone(), g[tail].clone(), m[tail].clone(), v[tail].clone()
     step = scalar(0.0)
-    args = (1e-3, None, 0.9, 0.999, 1e-8, 0.01, False, False, True, MASTER_NONE, None, None,
-            None, 0.0, 0)
-    native("adam_step_", [p], [g], [m], [v], [], [], [step], *args)
-    ref_adam.adam_step_([sp], [sg], [sm], [sv], [], [], [scalar(0.0)], *args)
+    kwargs = dict(lr=1e-3, lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01,
+                  amsgrad=False, maximize=False, decoupled=True, master_mode=MASTER_NONE,
+                  grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0, seed=0)
+    native("adam_step_", [p], [g], [m], [v], [], [], [step], **kwargs)
+    ref_adam.adam_step_([sp], [sg], [sm], [sv], [], [], [scalar(0.0)], **kwargs)
     assert_close(p[tail], sp)
     assert_close(m[tail], sm)
     assert_close(v[tail], sv)
@@ -503,21 +535,23 @@ def test_cuda_graph_capture():
     case = AdamCase(shapes, dts, MASTER_FP32, amsgrad=False)
     scale, gt, ht = scalar(2.0**10), scalar(0, torch.int32), scalar(2, torch.int32)
     found, inv, norm_sq = scalar(0.0), scalar(0.0), scalar(0.0)
-    upd = (2.0, 0.5, 2, 2, 1.0, 2.0**24)
+    upd = update_kw(2.0, 0.5, 2, 2, 1.0, 2.0**24)
 
     def pipeline(st, ops):
         unscale, adam, update = ops
         st["found"].zero_()
         st["norm"].zero_()
         st["inv"].copy_(st["scale"].double().reciprocal().float())
-        unscale(st["grads"], st["found"], st["inv"], st["norm"], None)
-        adam(*st["case"].args(st["lists"])[:7], st["case"].lr, None, 0.9, 0.999, 1e-8, 0.01,
-             False, False, True, MASTER_FP32, None, st["found"], st["norm"], 1.0, 7)
-        update(st["scale"], st["gt"], st["ht"], st["found"], *upd)
+        unscale(st["grads"], st["found"], st["inv"], norm_sq=st["norm"])
+        adam(*st["case"].args(st["lists"])[:7], lr=st["case"].lr, lr_tensor=None, beta1=0.9,
+             beta2=0.999, eps=1e-8, weight_decay=0.01, amsgrad=False, maximize=False,
+             decoupled=True, master_mode=MASTER_FP32, grad_scale=None, found_inf=st["found"],
+             norm_sq=st["norm"], max_grad_norm=1.0, seed=7)
+        update(st["scale"], st["gt"], st["ht"], st["found"], **upd)
 
-    native_ops = (lambda *a: OPS["unscale_grads_"](*a, backend="native"),
-                  lambda *a: OPS["adam_step_"](*a, backend="native"),
-                  lambda *a: OPS["update_scale_"](*a, backend="native"))
+    native_ops = (lambda *a, **k: OPS["unscale_grads_"](*a, **k, backend="native"),
+                  lambda *a, **k: OPS["adam_step_"](*a, **k, backend="native"),
+                  lambda *a, **k: OPS["update_scale_"](*a, **k, backend="native"))
     ref_ops = (ref_amp.unscale_grads_, ref_adam.adam_step_, ref_amp.update_scale_)
 
     static = dict(case=case, lists=case.lists(), grads=case.grads, found=found, inv=inv,
@@ -583,15 +617,15 @@ def test_opcheck_amp():
     grads = make_grads([5, (3, 4), 0, 70000], MIXED, ("contig", "transposed"))
     per = torch.zeros(len(grads), device=DEV)
     for op in ("unscale_grads_", "check_grads"):
-        torch.library.opcheck(OPS[op].overload,
-                              (grads, scalar(0.0), scalar(0.5), scalar(0.0), per))
+        torch.library.opcheck(OPS[op].overload, (grads, scalar(0.0), scalar(0.5)),
+                              dict(norm_sq=scalar(0.0), norm_sq_per_tensor=per))
     torch.library.opcheck(OPS["update_scale_"].overload,
                           (scalar(2.0**16), scalar(0, torch.int32), scalar(1, torch.int32),
-                           scalar(1.0), 2.0, 0.5, 3, 1, 0.0, math.inf))
+                           scalar(1.0)), update_kw(2.0, 0.5, 3, 1, 0.0, math.inf))
 
 
-@pytest.mark.parametrize("mode", [MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC])
+@pytest.mark.parametrize("mode", [MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC, MASTER_REMAINDER8])
 def test_opcheck_adam(mode):
-    case = AdamCase([7, (4, 3), 0, 1000], dtype_cycle(MIXED, 4), mode, amsgrad=True,
+    case = AdamCase([7, (4, 3), 0, 1000], dtype_cycle(MIXED, 4, mode), mode, amsgrad=True,
                     grad_scale=8.0, clip=True, lr_kind="cuda32")
-    torch.library.opcheck(OPS["adam_step_"].overload, case.args(case.lists()))
+    torch.library.opcheck(OPS["adam_step_"].overload, case.args(case.lists()), case.kwargs())

@@ -3,7 +3,8 @@ csrc/bindings/sgd8bit_ops_cuda.cpp, lion8bit_ops_cuda.cpp) against the native CP
 bit: the same per-element functions in the same order on both (no FMA contraction, IEEE
 division), so params, masters, codes, absmax and step counters must be identical after each of
 three steps, over tests/test_sgd_lion_8bit_triton.py's cases (every dtype, master mode, block
-size, SGD / Lion option, loss scale, clipping, device lr, stochastic-rounding streams), with
+size, SGD / Lion option, loss scale, clipping, device lr, stochastic-rounding streams) and the
+remainder8 master mode (REMAINDER8_CASES: int8 corrections, which those cases lack), with
 contiguous operands and with operands one element past an aligned start (the kernel's
 element-wise path), and a skipped step. Every CUDA call runs under
 torch.cuda.set_sync_debug_mode("error"): the path never synchronizes with the host.
@@ -62,13 +63,38 @@ def assert_same(g, s):
             assert SL.bits_equal(a.cpu().contiguous(), b.contiguous()), (k, i)
 
 
+# Master mode 4 (remainder8: bf16 params with an int8 correction each; fp32 params ignore it and
+# must leave it as it is; fp16 params are refused): the shared cases have no int8 masters, so
+# these add them.
+REMAINDER8 = 4
+F32_BF16 = (Q8.F32, Q8.BF16, Q8.BF16, Q8.F32, Q8.BF16, Q8.F32)  # one per shape of shapes_for
+REMAINDER8_CASES = [
+    ("sgd8bit_step_", (Q8.BF16, REMAINDER8, dict(nesterov=True, weight_decay=0.1, scale=1024.0,
+                                                 clip=0.5))),
+    ("sgd8bit_step_", (F32_BF16, REMAINDER8, dict(dampening=0.1, maximize=True, lr_tensor=True,
+                                                  block_size=1024))),
+    ("lion8bit_step_", (Q8.BF16, REMAINDER8, dict(weight_decay=0.1, scale=1024.0, clip=0.5,
+                                                  block_size=128))),
+    ("lion8bit_step_", (F32_BF16, REMAINDER8, dict(maximize=True, lr_tensor=True,
+                                                   block_size=2048))),
+]
+
+
+def case_state(op, c):
+    """Q8.case_state on the CPU, with random int8 corrections for master mode 4."""
+    s, kw, scale, clip = Q8.case_state(op, c, "cpu")
+    if c[1] == REMAINDER8:
+        s["masters"] = [torch.randint(-128, 128, p.shape, dtype=torch.int8) for p in s["params"]]
+    return s, kw, scale, clip
+
+
 @pytest.mark.parametrize("offset", [False, True], ids=["aligned", "offset"])
-@pytest.mark.parametrize("case", Q8.CASES, ids=Q8.case_id)
+@pytest.mark.parametrize("case", Q8.CASES + REMAINDER8_CASES, ids=Q8.case_id)
 def test_cuda_equals_cpu_kernel_bit_for_bit(case, offset):
     op, c = case
     random.seed(0)
     torch.manual_seed(0)
-    s, kw, scale, clip = Q8.case_state(op, c, "cpu")
+    s, kw, scale, clip = case_state(op, c)
     for _ in range(3):
         SL.new_grads(s, scale or 1.0)
         extra = SL.scaler_args(s, scale, clip)

@@ -58,7 +58,9 @@ def test_update_scale_hysteresis_rule(device, backend, consecutive, hysteresis, 
     got = []
     for overflow in seq:
         OPS["update_scale_"](scale, growth, tracker, torch.tensor(float(overflow), device=device),
-                             2.0, 0.5, interval, hysteresis, 0.0, float("inf"), consecutive,
+                             growth_factor=2.0, backoff_factor=0.5, growth_interval=interval,
+                             hysteresis=hysteresis, min_scale=0.0, max_scale=float("inf"),
+                             consecutive_hysteresis=consecutive,
                              backend=backend)
         got.append(scale.item())
     assert got == _deepspeed_model(seq, 1024.0, interval, hysteresis, consecutive)

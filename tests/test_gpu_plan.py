@@ -68,10 +68,10 @@ def test_ncu_csv_parse(tmp_path, capsys):
     csv = tmp_path / "ncu.csv"
     csv.write_text('==PROF== Connected to process 1\n'
                    '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
-                   '"0","void mta_kernel<AdamFunctor<0>>(Meta)","x","dram__bytes_read.sum","byte","1,600"\n'
-                   '"0","void mta_kernel<AdamFunctor<0>>(Meta)","x","dram__bytes_write.sum","byte","1200"\n'
-                   '"0","void mta_kernel<AdamFunctor<0>>(Meta)","x","smsp__inst_executed_op_shared_ld.sum","inst","10"\n'
-                   '"0","void mta_kernel<AdamFunctor<0>>(Meta)","x","l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum","","31"\n')
+                   '"0","void mta_kernel<ew::Functor<AdamPolicy<false>, 0>>(Meta)","x","dram__bytes_read.sum","byte","1,600"\n'
+                   '"0","void mta_kernel<ew::Functor<AdamPolicy<false>, 0>>(Meta)","x","dram__bytes_write.sum","byte","1200"\n'
+                   '"0","void mta_kernel<ew::Functor<AdamPolicy<false>, 0>>(Meta)","x","smsp__inst_executed_op_shared_ld.sum","inst","10"\n'
+                   '"0","void mta_kernel<ew::Functor<AdamPolicy<false>, 0>>(Meta)","x","l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum","","31"\n')
     k = parse_ncu(csv, 100)["void mta_kernel"]
     assert k["dram_bytes_per_elem"] == pytest.approx(28.0)
     assert k["shared_wavefronts_per_ld"] == pytest.approx(3.1)
@@ -95,8 +95,8 @@ def test_ncu_csv_parse(tmp_path, capsys):
     text = SUITE.read_text()
     assert '"regex:mta_kernel|prepare_kernel"' in text and "--section WarpStateStats" in text
     csv.write_text('"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
-                   '"0","void mta_kernel<AdamFunctor<0>>(Meta)","x","dram__bytes_read.sum","byte","1,600"\n'
-                   '"0","void mta_kernel<AdamFunctor<0>>(Meta)","x","dram__bytes_write.sum","byte","1200"\n')
+                   '"0","void mta_kernel<ew::Functor<AdamPolicy<false>, 0>>(Meta)","x","dram__bytes_read.sum","byte","1,600"\n'
+                   '"0","void mta_kernel<ew::Functor<AdamPolicy<false>, 0>>(Meta)","x","dram__bytes_write.sum","byte","1200"\n')
     # as the suite calls it: merged into the roofline JSON next to what is there
     from benchmarks.roofline import main
     out = tmp_path / "roofline.json"
@@ -126,16 +126,27 @@ def test_smoke_and_sanitizer_cases_run_on_cpu():
 
 def test_smoke_cases_cover_the_new_kernels():
     """Every SGD variant x dtype x master mode, every Lion dtype x mode, the 8-bit forms (SGD
-    without the plain variant), each on native and Triton; the new families judged bit for bit."""
-    from benchmarks.smoke_cases import EXACT_FAMILIES, cases
+    without the plain variant), the 4-bit Adam step, each on native and Triton, every master mode
+    (remainder8 included: bf16); the new families judged bit for bit."""
+    from benchmarks.smoke_cases import EXACT_FAMILIES, FAMILIES, cases
+    from benchmarks.sanitizer_driver import EIGHT_BIT
 
     cs = cases(["native", "triton"])
     modes = lambda op, b: {(c[2], c[3]) for c in cs if c[0] == op and c[1] == b}  # noqa: E731
     for b in ("native", "triton"):
-        assert len(modes("sgd_step_", b)) == 3 * 7 and len(modes("sgd8bit_step_", b)) == 2 * 7
-        assert len(modes("lion_step_", b)) == 7 and len(modes("lion8bit_step_", b)) == 7
+        assert len(modes("sgd_step_", b)) == 3 * 8 and len(modes("sgd8bit_step_", b)) == 2 * 8
+        assert len(modes("lion_step_", b)) == 8 and len(modes("lion8bit_step_", b)) == 8
         assert ("bf16", "nesterov/remainder") in modes("sgd_step_", b)
         assert not any(m.startswith("plain/") for _, m in modes("sgd8bit_step_", b))
+        for op in ("adam_step_", "adam8bit_step_", "adam4bit_step_"):
+            assert len(modes(op, b)) == 8 and ("bf16", "remainder8") in modes(op, b), op
+        assert ("bf16", "nesterov/remainder8") in modes("sgd_step_", b)
+    # the 4-bit Adam step runs every block-size class in the sanitizer driver as the 8-bit ones
+    assert "adam4bit_step_" in FAMILIES and "adam4bit_step_" in EIGHT_BIT
+    text = SUITE.read_text()
+    for ops in re.findall(r"^(?:ALL|SHARED)_OPS=(\S+)$", text, re.M):
+        assert "adam4bit_step_" in ops.split(","), ops
+    assert "tests/test_cuda_adam4bit.py" in text and "adamw4bit_fp32" in text
     assert set(EXACT_FAMILIES) == {"sgd_step_", "lion_step_", "sgd8bit_step_", "lion8bit_step_"}
 
 
@@ -221,7 +232,7 @@ def test_dry_run(tmp_path):
         assert all(s.startswith("PASS") for s in smoke if " check_grads " in s), smoke
         # an op without a kernel for the backend: one SKIP line per case, not a failure
         q8 = [s for s in smoke if " sgd8bit_step_ " in s]
-        assert len(q8) == 14 and all(s.startswith("PASS" if OPS["sgd8bit_step_"].native_available("cpu")
+        assert len(q8) == 16 and all(s.startswith("PASS" if OPS["sgd8bit_step_"].native_available("cpu")
                                                   else "SKIP") for s in q8), q8
         # a hanging test fails by name at its deadline and the run goes on
         cuda = {c.get("name"): c for c in ET.fromstring(read("junit-cuda.xml")).iter("testcase")}
@@ -238,16 +249,18 @@ def test_dry_run(tmp_path):
         # the roofline ran its CPU stand-in; JSONs carry the commit
         roof = json.loads(read("roofline.json"))
         kern = {k["case"]: k for k in roof["kernels"]}
-        assert set(kern) == {"adamw_fp32", "adamw8bit_fp32", "check_bf16", "sgd_fp32",
-                             "sgd_momentum_fp32", "lion_fp32", "sgd8bit_fp32"}
+        assert set(kern) == {"adamw_fp32", "adamw8bit_fp32", "adamw4bit_fp32", "check_bf16",
+                             "sgd_fp32", "sgd_momentum_fp32", "lion_fp32", "sgd8bit_fp32"}
         # the bytes-moved models: AdamW 28, SGD 12 / 20 with momentum, Lion 20 (fp32)
         assert [kern[c]["bytes_per_elem"] for c in ("adamw_fp32", "sgd_fp32", "sgd_momentum_fp32",
                                                     "lion_fp32")] == [28.0, 12.0, 20.0, 20.0]
         assert ("skipped" in kern["sgd8bit_fp32"]) != OPS["sgd8bit_step_"].native_available("cpu")
+        if "skipped" not in kern["adamw4bit_fp32"]:  # 4-bit: 14 B + the absmax (two per 256)
+            assert kern["adamw4bit_fp32"]["bytes_per_elem"] == pytest.approx(14 + 16 / 256)
         assert {(s["case"].split("_")[0], s["who"]) for s in roof["small_step"]} == {
             ("adamw", "mpfused"), ("adamw", "torch-fused"), ("sgd", "mpfused"),
             ("sgd", "torch-fused"), ("lion", "mpfused"), ("adamw8bit", "mpfused"),
-            ("sgd8bit", "mpfused"), ("lion8bit", "mpfused")}
+            ("adamw4bit", "mpfused"), ("sgd8bit", "mpfused"), ("lion8bit", "mpfused")}
         assert roof["suite_provenance"].startswith("commit 0123456789abcdef0123")
     # nothing was written outside OUT but the copy's own results folder
     assert not (work / "gpu_out").exists()

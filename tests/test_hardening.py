@@ -98,7 +98,8 @@ def test_check_unscale_property(device, backend, data):
     for gs, be in ((grads, backend), (expect, "reference")):
         found, norm = torch.zeros((), device=device), torch.zeros((), device=device)
         per = torch.zeros(len(gs), device=device)
-        OPS[op](gs, found, torch.tensor(inv, device=device), norm, per, backend=be)
+        OPS[op](gs, found, torch.tensor(inv, device=device), norm_sq=norm, norm_sq_per_tensor=per,
+                backend=be)
         outs.append((found, norm, per))
     assert outs[0][0].item() == outs[1][0].item()
     for g, e in zip(grads, expect):
@@ -134,9 +135,11 @@ def test_adam_step_property(device, backend, data):
         # first step moves the second one, so they get one step (an fp32 master gets two)
         n_steps = 2 if dtype == torch.float32 or mode in (1, 2) else 1
         for _ in range(n_steps):
-            OPS["adam_step_"](p, grads, m, v, vm, ms, steps, hyper["lr"], None, 0.9, 0.999, 1e-8,
-                              hyper["wd"], hyper["amsgrad"], hyper["maximize"], hyper["decoupled"],
-                              mode, backend=be)
+            OPS["adam_step_"](p, grads, m, v, vm, ms, steps, lr=hyper["lr"], lr_tensor=None,
+                              beta1=0.9, beta2=0.999, eps=1e-8,
+                              weight_decay=hyper["wd"], amsgrad=hyper["amsgrad"],
+                              maximize=hyper["maximize"], decoupled=hyper["decoupled"],
+                              master_mode=mode, backend=be)
         results.append((p, m, v, steps))
     for a, b in zip(results[0][0], results[1][0]):
         assert_close(a, b, rtol=OP_TOL_PARAM[dtype], atol=1e-5)
@@ -250,8 +253,10 @@ def test_adam8bit_step_property(device, backend, data):
         ms = ([b.float() for b in base] if mode == 1 else
               [torch.zeros_like(b, dtype=torch.int16) for b in base] if mode == 2 else [])
         steps = [torch.zeros((), device=device) for _ in base]
-        OPS["adam8bit_step_"](p, grads, c1, c2, a1, a2, ms, steps, q1, q2, block, 1e-2, None,
-                              0.9, 0.999, 1e-8, 0.01, False, True, mode, backend=be)
+        OPS["adam8bit_step_"](p, grads, c1, c2, a1, a2, ms, steps, q1, q2, block_size=block,
+                              lr=1e-2, lr_tensor=None,
+                              beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, maximize=False,
+                              decoupled=True, master_mode=mode, backend=be)
         outs.append((p, c1, c2, a1, a2))
     for a, b in zip(outs[0][0], outs[1][0]):
         assert_close(a, b, rtol=OP_TOL_PARAM[dtype], atol=1e-5)
@@ -301,7 +306,9 @@ def test_64bit_indexing_adam8bit_cpu():
         nb = (size + 255) // 256
         a1, a2 = torch.zeros(nb), torch.zeros(nb)
         OPS["adam8bit_step_"]([p], [g], [c1], [c2], [a1], [a2], [], [torch.zeros(())], q1, q2,
-                              256, 1e-2, None, 0.9, 0.999, 1e-8, 0.0, False, True, 0,
+                              block_size=256, lr=1e-2, lr_tensor=None, beta1=0.9, beta2=0.999,
+                              eps=1e-8, weight_decay=0.0, maximize=False, decoupled=True,
+                              master_mode=0,
                               backend="native")
         return p[-tail:].clone(), c1[-tail:].clone(), c2[-tail:].clone(), a1[-3:].clone()
 

@@ -132,7 +132,7 @@ def test_64bit_indexing_check_pass():
     g[-1] = 3.0
     g[2**31 + 1] = 4.0
     found, norm = torch.zeros(()), torch.zeros(())
-    amp_ops.check_grads([g], found, torch.ones(()), norm)
+    amp_ops.check_grads([g], found, torch.ones(()), norm_sq=norm)
     assert found.item() == 0.0 and norm.item() == 25.0
     g[-2] = float("inf")
     amp_ops.check_grads([g], found, torch.ones(()))

@@ -93,8 +93,9 @@ def test_kernel_encode_equals_brute_force(device, backend):
     a2 = torch.zeros(nb, device=device)
     step = torch.zeros((), device=device)
     ops.adam8bit_step_([p], [g], [c1], [c2], [a1], [a2], [], [step], s.to(device),
-                       qm.unsigned_map(device), 256, 0.0, None, 0.0, 0.0, 1e-8, 0.0, False, True,
-                       0, backend=backend)
+                       qm.unsigned_map(device), block_size=256, lr=0.0, lr_tensor=None, beta1=0.0,
+                       beta2=0.0, eps=1e-8, weight_decay=0.0, maximize=False, decoupled=True,
+                       master_mode=0, backend=backend)
     gc = g.cpu()
     assert torch.equal(a1.cpu(), torch.ones(nb))
     m = torch.zeros_like(gc) + (gc - torch.zeros_like(gc))  # the kernel's m (-0.0 becomes +0)
@@ -125,8 +126,9 @@ def test_kernel_roundtrip_of_exact_codes_is_exact(device, backend):
     p = torch.zeros(n, device=device)
     ops.adam8bit_step_([p], [torch.zeros(n, device=device)], [c1d], [c2d], [a1d], [a2d], [],
                        [torch.zeros((), device=device)], qm.signed_map(device),
-                       qm.unsigned_map(device), block, 0.0, None, 1.0, 1.0, 1e-8, 0.0, False,
-                       True, 0, backend=backend)
+                       qm.unsigned_map(device), block_size=block, lr=0.0, lr_tensor=None, beta1=1.0,
+                       beta2=1.0, eps=1e-8, weight_decay=0.0, maximize=False,
+                       decoupled=True, master_mode=0, backend=backend)
     assert torch.equal(c1d.cpu(), c1) and torch.equal(c2d.cpu(), c2)
     assert torch.equal(a1d.cpu(), a1) and torch.equal(a2d.cpu(), a2)
 
@@ -147,8 +149,9 @@ def test_nan_moment_poisons_its_block(device, backend):
         a2 = torch.zeros(n // block, device=device)
         ops.adam8bit_step_([p], [g.to(device)], [c1], [c2], [a1], [a2], [],
                            [torch.zeros((), device=device)], qm.signed_map(device),
-                           qm.unsigned_map(device), block, 1e-3, None, 0.9, 0.999, 1e-8, 0.0,
-                           False, True, 0, backend=be)
+                           qm.unsigned_map(device), block_size=block, lr=1e-3, lr_tensor=None,
+                           beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+                           maximize=False, decoupled=True, master_mode=0, backend=be)
         outs.append([t.cpu() for t in (a1, a2, c1, c2)])
     for got, want in zip(*outs):
         assert torch.equal(got.isnan(), want.isnan())
@@ -204,7 +207,9 @@ def test_opcheck_adam8bit_step(dtype, mode):
     masters = ([p[0].float()] if mode == 1 else
                [torch.zeros(n, dtype=torch.int16)] if mode == 2 else [])
     args = (p, g, codes1, codes2, a1, a2, masters, [torch.zeros(())],
-            signed_map(torch.device("cpu")), unsigned_map(torch.device("cpu")), 256, 1e-3, None,
-            0.9, 0.999, 1e-8, 0.01, False, True, mode, torch.tensor(2.0), torch.zeros(()), None,
-            0.0, 0)
-    torch.library.opcheck(OPS["adam8bit_step_"].overload, args)
+            signed_map(torch.device("cpu")), unsigned_map(torch.device("cpu")))
+    kwargs = dict(block_size=256, lr=1e-3, lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8,
+                  weight_decay=0.01, maximize=False, decoupled=True, master_mode=mode,
+                  grad_scale=torch.tensor(2.0), found_inf=torch.zeros(()), norm_sq=None,
+                  max_grad_norm=0.0, seed=0)
+    torch.library.opcheck(OPS["adam8bit_step_"].overload, args, kwargs)

@@ -63,8 +63,10 @@ def test_split_join_exhaustive_round_trip():
     rem = torch.arange(-128, 128, dtype=torch.int32).to(torch.int8).repeat(65536)
     p = p16.clone().view(BF16)
     r = rem.clone()
-    OPS["sgd_step_"]([p], [torch.zeros_like(p)], [], [r], [torch.zeros(())], 0.0, None, 0.0, 0.0,
-                     0.0, False, False, MODE_R8, backend="native")
+    OPS["sgd_step_"]([p], [torch.zeros_like(p)], [], [r], [torch.zeros(())], lr=0.0, lr_tensor=None,
+                     momentum=0.0, dampening=0.0,
+                     weight_decay=0.0, nesterov=False, maximize=False, master_mode=MODE_R8,
+                     backend="native")
     nan = _nan_join(p16, rem)
     assert int(nan.sum()) == 254 * 128 + 2 * 127 + 256 * 128  # = 65534
     ok = ~nan
@@ -134,8 +136,10 @@ def test_native_and_triton_split_equal_reference():
     want_p, want_r = ref.remainder8_split(ref.remainder8_join(p0, r0))
     for backend in ["native"] + (["triton"] if "triton" in OPS["sgd_step_"].available("cpu") else []):
         p, r = p0.clone(), r0.clone()
-        OPS["sgd_step_"]([p], [torch.zeros_like(p)], [], [r], [torch.zeros(())], 0.0, None, 0.0,
-                         0.0, 0.0, False, False, MODE_R8, backend=backend)
+        OPS["sgd_step_"]([p], [torch.zeros_like(p)], [], [r], [torch.zeros(())], lr=0.0,
+                         lr_tensor=None, momentum=0.0,
+                         dampening=0.0, weight_decay=0.0, nesterov=False, maximize=False,
+                         master_mode=MODE_R8, backend=backend)
         assert torch.equal(_bits(p), _bits(want_p)) and torch.equal(r, want_r), backend
 
 
@@ -159,8 +163,11 @@ def _adamw_run(mode: int, lr: float, steps: int, n: int, seed: int = 0):
     m, v, step = torch.zeros(n), torch.zeros(n), torch.zeros(())
     for _ in range(steps):
         grad = torch.randn(n, generator=g).to(BF16)
-        OPS["adam_step_"]([p], [grad], [m], [v], [], master, [step], lr, None, 0.9, 0.999, 1e-8,
-                          0.01, False, False, True, mode, None, None, None, 0.0, 7)
+        OPS["adam_step_"]([p], [grad], [m], [v], [], master, [step], lr=lr, lr_tensor=None,
+                          beta1=0.9, beta2=0.999, eps=1e-8,
+                          weight_decay=0.01, amsgrad=False, maximize=False, decoupled=True,
+                          master_mode=mode, grad_scale=None, found_inf=None, norm_sq=None,
+                          max_grad_norm=0.0, seed=7)
     if mode == 1:
         return master[0]
     if mode == 2:

@@ -217,15 +217,18 @@ def test_errors_name_the_rule():
             continue
         with pytest.raises(RuntimeError, match=r"masters.*\[0\] must be .*(Char|int8)"):
             OPS["sgd_step_"]([p], [grad], [], [torch.zeros(4, dtype=torch.int16)],
-                             [torch.zeros(())], 0.1, None, 0.0, 0.0, 0.0, False, False, 4,
+                             [torch.zeros(())], lr=0.1, lr_tensor=None, momentum=0.0, dampening=0.0,
+                             weight_decay=0.0, nesterov=False, maximize=False, master_mode=4,
                              backend=backend)
         with pytest.raises(RuntimeError, match=r"params\[0\] is float16"):
             OPS["sgd_step_"]([p.half()], [grad.half()], [], [torch.zeros(4, dtype=torch.int8)],
-                             [torch.zeros(())], 0.1, None, 0.0, 0.0, 0.0, False, False, 4,
+                             [torch.zeros(())], lr=0.1, lr_tensor=None, momentum=0.0, dampening=0.0,
+                             weight_decay=0.0, nesterov=False, maximize=False, master_mode=4,
                              backend=backend)
         with pytest.raises(RuntimeError, match="master_mode must be"):
-            OPS["sgd_step_"]([p], [grad], [], [], [torch.zeros(())], 0.1, None, 0.0, 0.0, 0.0,
-                             False, False, 5, backend=backend)
+            OPS["sgd_step_"]([p], [grad], [], [], [torch.zeros(())], lr=0.1, lr_tensor=None,
+                             momentum=0.0, dampening=0.0, weight_decay=0.0,
+                             nesterov=False, maximize=False, master_mode=5, backend=backend)
     del args
 
 

@@ -31,7 +31,7 @@ opcheck = None
 if router.REQUEST in ("reference", "triton") and OPS["adam_step_"].route("cpu") != "unavailable":
     from tests.test_adam_kernels import BF16, FP32_MASTER, make_state, op_args  # real kernels
     s = make_state([(7,), (0,), (3, 5)], BF16, FP32_MASTER, True, "cpu")
-    torch.library.opcheck(OPS["adam_step_"].overload, op_args(
+    torch.library.opcheck(OPS["adam_step_"].overload, *op_args(
         s, master_mode=FP32_MASTER, amsgrad=True, lr_tensor=torch.tensor(1e-3),
         grad_scale=torch.tensor(2.0), found_inf=torch.zeros(()), norm_sq=torch.tensor(4.0),
         max_grad_norm=1.0, seed=3))
@@ -247,7 +247,8 @@ def test_optimizer_and_scaler_call_the_dispatcher_op(name):
 def test_explicit_backend_calls_the_implementation_directly(monkeypatch):
     ref = OPS["adam_step_"].reference
     calls = []
-    monkeypatch.setattr(OPS["adam_step_"], "reference", lambda *a: calls.append(1) or ref(*a))
+    monkeypatch.setattr(OPS["adam_step_"], "reference",
+                        lambda *a, **k: calls.append(1) or ref(*a, **k))
     opt = mpfused.AdamW(_params(), lr=1e-3, backend="reference")
     with _Record() as seen:
         opt.step()

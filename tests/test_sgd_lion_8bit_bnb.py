@@ -41,11 +41,15 @@ def _optimizers(kind, p0, wd):
 
 def _ours(kind, p, g, codes, absmax, step, wd):
     if kind == "sgd":
-        OPS["sgd8bit_step_"]([p], [g], [codes], [absmax], [], [step], qm.signed_map(), 256, 0.05,
-                             None, 0.9, 0.0, wd, False, False, 0, backend="native")
+        OPS["sgd8bit_step_"]([p], [g], [codes], [absmax], [], [step], qm.signed_map(),
+                             block_size=256, lr=0.05,
+                             lr_tensor=None, momentum=0.9, dampening=0.0, weight_decay=wd,
+                             nesterov=False, maximize=False, master_mode=0, backend="native")
     else:
-        OPS["lion8bit_step_"]([p], [g], [codes], [absmax], [], [step], qm.signed_map(), 256, 1e-3,
-                              None, 0.9, 0.99, wd, False, 0, backend="native")
+        OPS["lion8bit_step_"]([p], [g], [codes], [absmax], [], [step], qm.signed_map(),
+                              block_size=256, lr=1e-3,
+                              lr_tensor=None, beta1=0.9, beta2=0.99, weight_decay=wd,
+                              maximize=False, master_mode=0, backend="native")
 
 
 @pytest.mark.parametrize("wd", [0.0, 1e-2])

@@ -98,12 +98,14 @@ def test_bound_lists_compute_the_plain_call(kind):
     plain, bound = clone(c), clone(c)
     call = BoundOp(OPS[OP[kind]], [bound["params"], bound["codes"], bound["absmax"],
                                    bound["masters"], bound["steps"]], [4, 1, 9], [0, 8, 0])
-    rest = (qm.signed_map(), 128, *hyper_args(kind), 2, None, None, None, 0.0, 5)
+    qmap = qm.signed_map()
+    rest = dict(block_size=128, **hyper_args(kind), master_mode=2, grad_scale=None,
+                found_inf=None, norm_sq=None, max_grad_norm=0.0, seed=5)
     for _ in range(2):
         OPS[OP[kind]](plain["params"], plain["grads"], plain["codes"], plain["absmax"],
-                      plain["masters"], plain["steps"], *rest, [4, 1, 9], [0, 8, 0],
-                      backend="native")
-        call(bound["grads"], *rest, backend="native")
+                      plain["masters"], plain["steps"], qmap, **rest, param_ids=[4, 1, 9],
+                      elem_offsets=[0, 8, 0], backend="native")
+        call(bound["grads"], qmap, **rest, backend="native")
     assert call._native is not None  # the C++ lists served the calls
     for k in KEYS:
         assert all(bits_equal(a, b) for a, b in zip(plain[k], bound[k])), k
@@ -115,6 +117,8 @@ def test_opcheck(kind, dtype, mode):
     """Schema, fake kernel and aot dispatch of both ops on CPU."""
     c = make_case([300], dtype, mode, 256)
     args = (c["params"], c["grads"], c["codes"], c["absmax"], c["masters"], c["steps"],
-            qm.signed_map(), 256, *hyper_args(kind, weight_decay=0.01), mode, torch.tensor(2.0),
-            torch.zeros(()), None, 0.0, 0)
-    torch.library.opcheck(OPS[OP[kind]].overload, args)
+            qm.signed_map())
+    kwargs = dict(block_size=256, **hyper_args(kind, weight_decay=0.01), master_mode=mode,
+                  grad_scale=torch.tensor(2.0), found_inf=torch.zeros(()), norm_sq=None,
+                  max_grad_norm=0.0, seed=0)
+    torch.library.opcheck(OPS[OP[kind]].overload, args, kwargs)

@@ -94,19 +94,23 @@ def clone(c):
 
 
 def hyper_args(kind, lr_tensor=None, **kw):
+    """The op's hyperparameters, by keyword."""
     h = {**HYPER[kind], **kw}
     if kind == "sgd":
-        return (h["lr"], lr_tensor, h["momentum"], h["dampening"], h["weight_decay"],
-                h["nesterov"], h["maximize"])
-    return h["lr"], lr_tensor, h["beta1"], h["beta2"], h["weight_decay"], h["maximize"]
+        return dict(lr=h["lr"], lr_tensor=lr_tensor, momentum=h["momentum"],
+                    dampening=h["dampening"], weight_decay=h["weight_decay"],
+                    nesterov=h["nesterov"], maximize=h["maximize"])
+    return dict(lr=h["lr"], lr_tensor=lr_tensor, beta1=h["beta1"], beta2=h["beta2"],
+                weight_decay=h["weight_decay"], maximize=h["maximize"])
 
 
 def step(kind, c, backend="native", qmap=None, grad_scale=None, found_inf=None, norm_sq=None,
          max_grad_norm=0.0, lr_tensor=None, **hyper):
     qmap = qm.signed_map() if qmap is None else qmap
     OPS[OP[kind]](c["params"], c["grads"], c["codes"], c["absmax"], c["masters"], c["steps"],
-                  qmap, c["block"], *hyper_args(kind, lr_tensor, **hyper), c["mode"],
-                  grad_scale, found_inf, norm_sq, max_grad_norm, 7, backend=backend)
+                  qmap, block_size=c["block"], **hyper_args(kind, lr_tensor, **hyper),
+                  master_mode=c["mode"], grad_scale=grad_scale, found_inf=found_inf,
+                  norm_sq=norm_sq, max_grad_norm=max_grad_norm, seed=7, backend=backend)
 
 
 @pytest.fixture

@@ -64,12 +64,13 @@ def make_state(shapes, dtypes, mode, device, block, steps=None):
 def op_args(op, s, **kw):
     h = {**HYPER[op], **SL.TAIL, **kw}
     return ((s["params"], s["grads"], s["codes"], s["absmaxs"], s["masters"], s["steps"],
-             qm.signed_map(s["params"][0].device))
-            + tuple(h[k] for k in HYPER[op]) + tuple(h[k] for k in SL.TAIL))
+             qm.signed_map(s["params"][0].device)),
+            {k: h[k] for k in (*HYPER[op], *SL.TAIL)})
 
 
 def step(op, s, backend, **kw):
-    OPS[op](*op_args(op, s, **kw), backend=backend)
+    args, kwargs = op_args(op, s, **kw)
+    OPS[op](*args, **kwargs, backend=backend)
 
 
 # ---- comparison -------------------------------------------------------------------------------
@@ -304,10 +305,11 @@ def test_argument_checks():
         step("sgd8bit_step_", s, "triton", block_size=128)  # absmaxs hold 2 blocks of 64
     with pytest.raises(RuntimeError, match=r"grads\[0\] must have its param's dtype"):
         step("lion8bit_step_", {**s, "grads": [s["grads"][0].half()]}, "triton")
-    args = list(op_args("lion8bit_step_", s))
+    args, kwargs = op_args("lion8bit_step_", s)
+    args = list(args)
     args[6] = qm.unsigned_map()  # no code below +0 for the sign rule
     with pytest.raises(RuntimeError, match=r"qmap must hold \+0.0 above its lowest entry"):
-        OPS["lion8bit_step_"](*args, backend="triton")
+        OPS["lion8bit_step_"](*args, **kwargs, backend="triton")
     bf = make_state([(100,)], BF16, NONE, "cpu", 64)
     with pytest.raises(RuntimeError, match="needs one master per param"):
         step("lion8bit_step_", bf, "triton", master_mode=FP32_MASTER)

@@ -82,12 +82,14 @@ def new_grads(s, scale):
 
 
 def op_args(spec, s, **kw):
+    """(operands, keyword arguments) of the op's call."""
     h = {**spec.hyper, **kw}
-    return tuple(s[k] for k in spec.keys) + tuple(h[k] for k in spec.order)
+    return tuple(s[k] for k in spec.keys), {k: h[k] for k in spec.order}
 
 
 def step(spec, s, backend="native", **kw):
-    OPS[spec.name](*op_args(spec, s, **kw), backend=backend)
+    args, kwargs = op_args(spec, s, **kw)
+    OPS[spec.name](*args, **kwargs, backend=backend)
 
 
 def lion_ambiguous(s, kw):
@@ -394,10 +396,10 @@ def test_opcheck(op, kw):
     spec = SPECS[op]
     s = make_state(spec, [(7,), (0,), (3, 5)], BF16, REMAINDER, "cpu",
                    stateless=kw.get("momentum") == 0.0)
-    args = op_args(spec, s, master_mode=REMAINDER, lr_tensor=torch.tensor(1e-3),
-                   grad_scale=torch.tensor(2.0), found_inf=torch.zeros(()),
-                   norm_sq=torch.tensor(4.0), max_grad_norm=1.0, seed=3, **kw)
-    torch.library.opcheck(OPS[spec.name].overload, args)
+    args, kwargs = op_args(spec, s, master_mode=REMAINDER, lr_tensor=torch.tensor(1e-3),
+                           grad_scale=torch.tensor(2.0), found_inf=torch.zeros(()),
+                           norm_sq=torch.tensor(4.0), max_grad_norm=1.0, seed=3, **kw)
+    torch.library.opcheck(OPS[spec.name].overload, args, kwargs)
 
 
 @pytest.mark.parametrize("op,dtype,mode,kw", [
@@ -415,12 +417,13 @@ def test_bound_op_equals_plain_call(dev, op, dtype, mode, kw):
     h = dict(spec.hyper, **kw, master_mode=mode, grad_scale=torch.tensor(4.0, device=dev),
              found_inf=torch.zeros((), device=dev), norm_sq=torch.tensor(9.0, device=dev),
              max_grad_norm=1.0, seed=11)
-    rest = tuple(h[k] for k in spec.order if k not in ("param_ids", "elem_offsets"))
+    rest = {k: h[k] for k in spec.order if k not in ("param_ids", "elem_offsets")}
     plain, bound = clone_state(s), clone_state(s)
     call = BoundOp(_NoPlainCall(OPS[spec.name]), [bound[k] for k in spec.keys if k != "grads"],
                    ids, offsets)
     for _ in range(3):
-        OPS[spec.name](*(plain[k] for k in spec.keys), *rest, ids, offsets, backend="native")
-        call(bound["grads"], *rest, backend="native")
+        OPS[spec.name](*(plain[k] for k in spec.keys), **rest, param_ids=ids, elem_offsets=offsets,
+                       backend="native")
+        call(bound["grads"], **rest, backend="native")
     assert_bits_equal(spec, plain, bound)
     assert float(bound["steps"][0]) == float(s["steps"][0]) + 3

@@ -86,12 +86,13 @@ def bits_equal(x, y):
 def op_args(op, s, **kw):
     h = {**HYPER[op], **TAIL, **kw}
     uses_state = op == "lion_step_" or h["momentum"] != 0  # SGD without momentum: no buffers
-    return ((s["params"], s["grads"], s["state"] if uses_state else [], s["masters"], s["steps"])
-            + tuple(h[k] for k in HYPER[op]) + tuple(h[k] for k in TAIL))
+    return ((s["params"], s["grads"], s["state"] if uses_state else [], s["masters"], s["steps"]),
+            {k: h[k] for k in (*HYPER[op], *TAIL)})
 
 
 def step(op, s, backend, **kw):
-    OPS[op](*op_args(op, s, **kw), backend=backend)
+    args, kwargs = op_args(op, s, **kw)
+    OPS[op](*args, **kwargs, backend=backend)
 
 
 # ---- comparison -------------------------------------------------------------------------------
@@ -354,10 +355,11 @@ def test_no_host_sync(op, monkeypatch, device="cpu"):
 
 def test_argument_checks():
     s = make_state([(4,)], F32, NONE, "cpu")
-    args = list(op_args("sgd_step_", s))
+    args, kwargs = op_args("sgd_step_", s)
+    args = list(args)
     args[2] = []  # momentum 0.9 without buffers
     with pytest.raises(RuntimeError, match="momentum != 0 needs one momentum buffer per param"):
-        OPS["sgd_step_"](*args, backend="triton")
+        OPS["sgd_step_"](*args, **kwargs, backend="triton")
     step("sgd_step_", {**s, "state": []}, "triton", momentum=0.0)  # no buffers needed
     with pytest.raises(RuntimeError, match=r"lion_step_: exp_avgs has 0 tensors, params 1"):
         step("lion_step_", {**s, "state": []}, "triton")

@@ -129,18 +129,20 @@ def test_shards_with_offsets_round_as_the_whole_param(backend, op_name):
 
     def run(params, grads, ids, offsets):
         s = _op_state(params)
-        hyper = (1e-3, None, 0.9, 0.999, 1e-8, 0.0)
+        hyper = dict(lr=1e-3, lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0)
+        tail = dict(master_mode=STOCHASTIC, grad_scale=None, found_inf=None, norm_sq=None,
+                    max_grad_norm=0.0, seed=99, param_ids=ids, elem_offsets=offsets)
         if op_name == "adam_step_":
             OPS[op_name](params, grads, s["exp_avgs"], s["exp_avg_sqs"], [], [], s["steps"],
-                         *hyper, False, False, True, STOCHASTIC, None, None, None, 0.0, 99, ids,
-                         offsets, backend=backend)
+                         **hyper, amsgrad=False, maximize=False, decoupled=True, **tail,
+                         backend=backend)
         else:
             codes = [torch.zeros(p.shape, dtype=torch.uint8) for p in params]
             absmax = [torch.zeros(p.numel() // 64) for p in params]
             OPS[op_name](params, grads, codes, [c.clone() for c in codes], absmax,
                          [a.clone() for a in absmax], [], s["steps"], signed_map(),
-                         unsigned_map(), 64, *hyper, False, True, STOCHASTIC, None, None, None,
-                         0.0, 99, ids, offsets, backend=backend)
+                         unsigned_map(), block_size=64, **hyper, maximize=False, decoupled=True,
+                         **tail, backend=backend)
         return torch.cat([p.view(torch.int16) for p in params])
 
     whole = run([w.clone()], [g], [42], [])
@@ -158,8 +160,11 @@ def test_param_ids_must_match_the_params(backend):
     s = _op_state(p)
     with pytest.raises(RuntimeError, match="param_ids"):
         OPS["adam_step_"](p, [torch.zeros_like(p[0])], s["exp_avgs"], s["exp_avg_sqs"], [], [],
-                          s["steps"], 1e-3, None, 0.9, 0.999, 1e-8, 0.0, False, False, True,
-                          STOCHASTIC, None, None, None, 0.0, 0, [0, 1], [], backend=backend)
+                          s["steps"], lr=1e-3, lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8,
+                          weight_decay=0.0, amsgrad=False, maximize=False, decoupled=True,
+                          master_mode=STOCHASTIC, grad_scale=None, found_inf=None, norm_sq=None,
+                          max_grad_norm=0.0, seed=0, param_ids=[0, 1], elem_offsets=[],
+                          backend=backend)
 
 
 # ---- FSDP2-style DTensor shards: the whole param's stream, whatever the sharding --------------

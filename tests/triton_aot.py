@@ -1,8 +1,8 @@
 """Compile every Triton kernel specialization that mpfused's optimizers and scaler launch, ahead of
 time for a CUDA target, on a machine without a GPU (run by tests/test_triton_compile.py). The
 optimizers are driven through their classes (AdamW, Adam, AdamW8bit, Adam8bit, SGD, Lion, SGD8bit,
-Lion8bit), so what compiles is what they launch; the scaler's ops and the > 2^31-element sizes
-are called directly.
+Lion8bit, SGD4bit, Lion4bit), so what compiles is what they launch; the scaler's ops and the
+> 2^31-element sizes are called directly.
 
 The rest of the suite runs the Triton kernels under TRITON_INTERPRET=1, which never lowers them:
 a kernel the interpreter accepts can still fail to compile, or compile to code that differs from
@@ -253,30 +253,59 @@ def drive_64bit_sizes():
         return torch.zeros(1, device="meta")
 
     bf16 = torch.bfloat16
-    adam_step_([big(bf16)], [big(bf16)], [big()], [big()], [big()], [big()], [one()], 1e-3,
-               one(), 0.9, 0.999, 1e-8, 0.1, True, False, True, 1, one(), None, one(), 1.0)
-    unscale_grads_([big(bf16)], one(), one(), one())
-    sgd_step_([big(bf16)], [big(bf16)], [big()], [big()], [one()], 1e-3, one(), 0.9, 0.0, 0.1,
-              True, False, 1, one(), None, one(), 1.0)
-    lion_step_([big(bf16)], [big(bf16)], [big()], [big()], [one()], 1e-4, one(), 0.9, 0.99, 0.1,
-               False, 1, one(), None, one(), 1.0)
+    adam_step_([big(bf16)], [big(bf16)], [big()], [big()], [big()], [big()], [one()], lr=1e-3,
+               lr_tensor=one(), beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, amsgrad=True,
+               maximize=False, decoupled=True, master_mode=1, grad_scale=one(), found_inf=None,
+               norm_sq=one(), max_grad_norm=1.0)
+    unscale_grads_([big(bf16)], one(), one(), norm_sq=one())
+    sgd_step_([big(bf16)], [big(bf16)], [big()], [big()], [one()], lr=1e-3, lr_tensor=one(),
+              momentum=0.9, dampening=0.0, weight_decay=0.1,
+              nesterov=True, maximize=False, master_mode=1, grad_scale=one(), found_inf=None,
+              norm_sq=one(), max_grad_norm=1.0)
+    lion_step_([big(bf16)], [big(bf16)], [big()], [big()], [one()], lr=1e-4, lr_tensor=one(),
+               beta1=0.9, beta2=0.99, weight_decay=0.1,
+               maximize=False, master_mode=1, grad_scale=one(), found_inf=None, norm_sq=one(),
+               max_grad_norm=1.0)
     blocks = (n + 255) // 256
     with mock.patch.object(adam8bit, "thresholds", lambda qmap: big(size=255)), \
             mock.patch.object(adam8bit, "zero_code", lambda qmap: 127):
         adam8bit.adam8bit_step_([big(bf16)], [big(bf16)], [big(torch.uint8)], [big(torch.uint8)],
                                 [big(size=blocks)], [big(size=blocks)], [big()], [one()],
-                                big(size=256), big(size=256), 256, 1e-3, one(), 0.9, 0.999, 1e-8,
-                                0.1, False, True, 1, one(), None, one(), 1.0)
+                                big(size=256), big(size=256), block_size=256, lr=1e-3,
+                                lr_tensor=one(), beta1=0.9, beta2=0.999, eps=1e-8,
+                                weight_decay=0.1, maximize=False, decoupled=True, master_mode=1,
+                                grad_scale=one(), found_inf=None, norm_sq=one(), max_grad_norm=1.0)
     with mock.patch.object(_quant8, "thresholds", lambda qmap: big(size=255)), \
             mock.patch.object(_quant8, "map_zero_code", lambda qmap: 127):
         from mpfused.triton_kernels.lion8bit import lion8bit_step_
         from mpfused.triton_kernels.sgd8bit import sgd8bit_step_
         sgd8bit_step_([big(bf16)], [big(bf16)], [big(torch.uint8)], [big(size=blocks)], [big()],
-                      [one()], big(size=256), 256, 1e-3, one(), 0.9, 0.0, 0.1, True, False, 1,
-                      one(), None, one(), 1.0)
+                      [one()], big(size=256), block_size=256, lr=1e-3, lr_tensor=one(),
+                      momentum=0.9, dampening=0.0, weight_decay=0.1, nesterov=True, maximize=False,
+                      master_mode=1,
+                      grad_scale=one(), found_inf=None, norm_sq=one(), max_grad_norm=1.0)
         lion8bit_step_([big(bf16)], [big(bf16)], [big(torch.uint8)], [big(size=blocks)], [big()],
-                       [one()], big(size=256), 256, 1e-4, one(), 0.9, 0.99, 0.1, False, 1, one(),
-                       None, one(), 1.0)
+                       [one()], big(size=256), block_size=256, lr=1e-4, lr_tensor=one(), beta1=0.9,
+                       beta2=0.99, weight_decay=0.1, maximize=False, master_mode=1,
+                       grad_scale=one(),
+                       found_inf=None, norm_sq=one(), max_grad_norm=1.0)
+
+
+def drive_onestate4bit():
+    """Through mpfused.SGD4bit / Lion4bit (the one-state kernels with BITS = 4): every master
+    mode with all options on, and the default block size alone."""
+    for cls, flags, options in (
+            (mpfused.SGD4bit, ("nesterov", "maximize", "lr_tensor", "scaler", "clip"),
+             lambda on: dict(momentum=0.9, nesterov="nesterov" in on, min_8bit_size=1)),
+            (mpfused.Lion4bit, ("maximize", "lr_tensor", "scaler", "clip"),
+             lambda on: dict(min_8bit_size=1))):
+        for master in ("fp32", "none", "remainder", "remainder8"):
+            dtypes = [torch.bfloat16] if master.startswith("remainder") else ALL_DTYPES
+            opt = cls(_params(dtypes), lr=torch.tensor(1e-3), weight_decay=0.1, maximize=True,
+                      master_weights=master, max_grad_norm=1.0, backend="triton",
+                      **options(flags))
+            _step(opt, True)
+        _step(cls(_params([torch.float32]), backend="triton", **options(())), False)
 
 
 def _step(opt, with_scaler: bool):
@@ -304,7 +333,7 @@ def main():
         registry.triton_usable = lambda device_type: device_type == "cpu" or usable(device_type)
         errors = []
         for drive in (drive_adam, drive_adam8bit, drive_sgd, drive_lion, drive_sgd8bit,
-                      drive_lion8bit, drive_scaler, drive_64bit_sizes):
+                      drive_lion8bit, drive_onestate4bit, drive_scaler, drive_64bit_sizes):
             try:
                 drive()
             except Exception as e:  # report, and let the other drivers run

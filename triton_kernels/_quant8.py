@@ -125,9 +125,10 @@ def for_each_quantized(params, grads, masters, master_mode, launch):
 
 
 def check_one_state(op, params, grads, state_name, codes, absmaxs, masters, steps, block_size,
-                    master_mode):
-    """The native bindings' checks of a one-state 8-bit step: lengths, dtypes, the codes' and
-    absmax's sizes (a kernel indexes them by the param's blocks), masters, step counters."""
+                    master_mode, bits=8):
+    """The native bindings' checks of a one-state 8-bit (4-bit: ``bits``) step: lengths, dtypes,
+    the codes' and absmax's sizes (a kernel indexes them by the param's blocks), masters, step
+    counters."""
     n = len(params)
     for name, lst in (("grads", grads), (state_name, codes), ("absmaxs", absmaxs),
                       ("steps", steps)):
@@ -143,7 +144,13 @@ def check_one_state(op, params, grads, state_name, codes, absmaxs, masters, step
         if grads[i].dtype != p.dtype or grads[i].numel() != p.numel():
             raise RuntimeError(f"mpfused: grads[{i}] must have its param's dtype {p.dtype} and "
                                f"size {p.numel()}, got {grads[i].dtype} of {grads[i].numel()}")
-        if codes[i].dtype != torch.uint8 or codes[i].numel() != p.numel() or not \
+        if bits == 4:
+            if codes[i].dtype != torch.uint8 or codes[i].numel() != (p.numel() + 1) // 2 or not \
+                    codes[i].is_contiguous():
+                raise RuntimeError(f"mpfused: {state_name}[{i}] must be contiguous uint8 with "
+                                   f"ceil(numel / 2) = {(p.numel() + 1) // 2} bytes (two 4-bit "
+                                   "codes each)")
+        elif codes[i].dtype != torch.uint8 or codes[i].numel() != p.numel() or not \
                 codes[i].is_contiguous():
             raise RuntimeError(f"mpfused: {state_name}[{i}] must be contiguous uint8 codes, one "
                                f"per element of params[{i}]")
@@ -166,23 +173,28 @@ def check_one_state(op, params, grads, state_name, codes, absmaxs, masters, step
 
 def one_state_step(kernel, op, state_name, params, grads, codes, absmaxs, masters, steps, qmap,
                    block_size, master_mode, hyper, lr_tensor, grad_scale, found_inf, norm_sq,
-                   max_grad_norm, seed, param_ids, elem_offsets, **constexprs):
+                   max_grad_norm, seed, param_ids, elem_offsets, bits=8, **constexprs):
     """Host side of a one-state 8-bit step (SGD, Lion): checks, one launch per non-empty tensor
     of kernel(param, grad, codes, absmax, master, map, thresholds, step, lr, grad_scale,
     found_inf, norm_sq, n, *hyper, max_grad_norm, zero_code, seed, stream; DT, MODE, HAS_*,
-    **constexprs, BLOCK), then the step counters (on device, by a taken step only). `hyper`: the
-    op's float arguments, passed as fp64 bit patterns."""
+    **constexprs, BLOCK, BITS), then the step counters (on device, by a taken step only).
+    `hyper`: the op's float arguments, passed as fp64 bit patterns. ``bits=4``: the 4-bit ops
+    (16-entry map, packed codes, no sign rule: zero_code -1)."""
     if not params:
         return
+    if bits == 4 and (qmap.numel() != 16 or qmap.dtype != torch.float32
+                      or not qmap.is_contiguous()):
+        raise RuntimeError(f"mpfused: {op}: qmap must be a contiguous float32 tensor of 16 "
+                           "entries")
     check_one_state(op, params, grads, state_name, codes, absmaxs, masters, steps, block_size,
-                    master_mode)
+                    master_mode, bits)
     dev = params[0].device
     check_one_device(dev, dict(params=params, grads=grads, **{state_name: codes},
                                absmaxs=absmaxs, masters=masters, steps=steps),
                      [("qmap", qmap), ("lr_tensor", lr_tensor), ("grad_scale", grad_scale),
                       ("found_inf", found_inf), ("norm_sq", norm_sq)])
-    thr, zc = thresholds(qmap), map_zero_code(qmap)
-    if zc <= 0:  # the sign rule steps one code below +0
+    thr, zc = thresholds(qmap), map_zero_code(qmap) if bits == 8 else -1
+    if bits == 8 and zc <= 0:  # the sign rule steps one code below +0
         raise RuntimeError("mpfused: qmap must hold +0.0 above its lowest entry")
     streams = sr_streams(len(params), param_ids, elem_offsets)
     hyper_bits = [f64_bits(x) for x in tuple(hyper) + (max_grad_norm,)]
@@ -195,7 +207,7 @@ def one_state_step(kernel, op, state_name, params, grads, codes, absmaxs, master
             as_kernel_arg(pk), as_kernel_arg(gk), codes[i], absmaxs[i],
             wk if wk is not None else dummy, qmap, thr, steps[i], *scalars, pk.numel(),
             *hyper_bits, zc, int(seed) & M64, i64_bits(streams[i]), DT=DTYPE_CODE[pk.dtype],
-            MODE=mode, **has, **constexprs, **launch_options(block_size))
+            MODE=mode, **has, **constexprs, BITS=bits, **launch_options(block_size))
 
     for_each_quantized(params, grads, masters, master_mode, launch)
     advance_steps(steps, found_inf)

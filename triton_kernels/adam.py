@@ -83,7 +83,7 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, step_ptr, lr_
 
 
 @on_tensors_device
-def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, lr,
+def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, *, lr,
                lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled,
                master_mode, grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0,
                seed=0, param_ids=(), elem_offsets=()):

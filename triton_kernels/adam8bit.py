@@ -71,7 +71,7 @@ def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_p
 
 @on_tensors_device
 def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters, steps,
-                   qmap1, qmap2, block_size, lr, lr_tensor, beta1, beta2, eps, weight_decay,
+                   qmap1, qmap2, *, block_size, lr, lr_tensor, beta1, beta2, eps, weight_decay,
                    maximize, decoupled, master_mode, grad_scale=None, found_inf=None,
                    norm_sq=None, max_grad_norm=0.0, seed=0, param_ids=(), elem_offsets=(),
                    _bits=8):

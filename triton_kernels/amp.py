@@ -63,12 +63,12 @@ def _check(grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor, write):
 
 
 @on_tensors_device
-def unscale_grads_(grads, found_inf, inv_scale, norm_sq=None, norm_sq_per_tensor=None):
+def unscale_grads_(grads, found_inf, inv_scale, *, norm_sq=None, norm_sq_per_tensor=None):
     _check(grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor, write=True)
 
 
 @on_tensors_device
-def check_grads(grads, found_inf, inv_scale, norm_sq=None, norm_sq_per_tensor=None):
+def check_grads(grads, found_inf, inv_scale, *, norm_sq=None, norm_sq_per_tensor=None):
     _check(grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor, write=False)
 
 
@@ -105,7 +105,7 @@ def _update_scale_kernel(scale_ptr, growth_ptr, hyst_ptr, found_ptr, growth_bits
 
 
 @on_tensors_device
-def update_scale_(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
+def update_scale_(scale, growth_tracker, hysteresis_tracker, found_inf, *, growth_factor,
                   backoff_factor, growth_interval, hysteresis, min_scale, max_scale,
                   consecutive_hysteresis=False):
     _update_scale_kernel[(1,)](scale, growth_tracker, hysteresis_tracker, found_inf,

@@ -86,7 +86,7 @@ def _lion_kernel(p_ptr, g_ptr, m_ptr, master_ptr, step_ptr, lr_ptr, scale_ptr, f
 
 
 @on_tensors_device
-def lion_step_(params, grads, exp_avgs, masters, steps, lr, lr_tensor, beta1, beta2, weight_decay,
+def lion_step_(params, grads, exp_avgs, masters, steps, *, lr, lr_tensor, beta1, beta2, weight_decay,
                maximize, master_mode, grad_scale=None, found_inf=None, norm_sq=None,
                max_grad_norm=0.0, seed=0, param_ids=(), elem_offsets=()):
     if not params:

@@ -90,7 +90,7 @@ def _sgd_kernel(p_ptr, g_ptr, buf_ptr, master_ptr, step_ptr, lr_ptr, scale_ptr, 
 
 
 @on_tensors_device
-def sgd_step_(params, grads, momentum_buffers, masters, steps, lr, lr_tensor, momentum, dampening,
+def sgd_step_(params, grads, momentum_buffers, masters, steps, *, lr, lr_tensor, momentum, dampening,
               weight_decay, nesterov, maximize, master_mode, grad_scale=None, found_inf=None,
               norm_sq=None, max_grad_norm=0.0, seed=0, param_ids=(), elem_offsets=()):
     if not params:

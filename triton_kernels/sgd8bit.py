@@ -1,4 +1,6 @@
-"""Triton SGD step with a block-wise 8-bit momentum buffer (the op mpfused::sgd8bit_step_).
+"""Triton SGD step with a block-wise 8-bit momentum buffer (the op mpfused::sgd8bit_step_), and
+with BITS = 4 the 4-bit one (mpfused::sgd4bit_step_: codes packed two per byte into the signed
+16-entry map, no sign rule).
 
 One program per quantization block, one launch per non-empty tensor (host side:
 _quant8.one_state_step). Per block: the buffer is dequantized with the block's old absmax, updated
@@ -30,7 +32,7 @@ def _sgd8bit_kernel(p_ptr, g_ptr, c_ptr, a_ptr, w_ptr, map_ptr, thr_ptr, step_pt
                     wd_bits, mgn_bits, zero_code, seed, stream, DT: tl.constexpr,
                     MODE: tl.constexpr, HAS_LR: tl.constexpr, HAS_SCALE: tl.constexpr,
                     HAS_FOUND: tl.constexpr, HAS_NORM: tl.constexpr, NESTEROV: tl.constexpr,
-                    MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr):
+                    MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr = 8):
     if HAS_FOUND:
         if tl.load(found_ptr) > 0.0:  # skipped step: nothing is touched
             return
@@ -46,21 +48,27 @@ def _sgd8bit_kernel(p_ptr, g_ptr, c_ptr, a_ptr, w_ptr, map_ptr, thr_ptr, step_pt
     mask = offs < n
     w = load_weight(p_ptr, w_ptr, offs, mask, DT, MODE)
     g = load_f32(g_ptr, offs, mask, DT) * gm
-    buf = dequantize(c_ptr, map_ptr, a_ptr, offs, mask)
+    buf = dequantize(c_ptr, map_ptr, a_ptr, offs, mask, BITS)
     w, buf = sgd_element(w, g, buf, lr, wd, momentum, one_m_damp, first, True, NESTEROV)
     store_weight(w, p_ptr, w_ptr, offs, mask, seed, t.to(tl.int64), stream, DT, MODE)
-    store_quantized(buf, c_ptr, a_ptr, thr_ptr, offs, mask, zero_code, True)
+    store_quantized(buf, c_ptr, a_ptr, thr_ptr, offs, mask, zero_code, BITS == 8, BITS)
 
 
 @on_tensors_device
-def sgd8bit_step_(params, grads, momentum_buffers, absmaxs, masters, steps, qmap, block_size, lr,
+def sgd8bit_step_(params, grads, momentum_buffers, absmaxs, masters, steps, qmap, *, block_size, lr,
                   lr_tensor, momentum, dampening, weight_decay, nesterov, maximize, master_mode,
                   grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0, seed=0,
-                  param_ids=(), elem_offsets=()):
-    if not momentum > 0:  # the 8-bit state is the buffer: plain SGD has none (bitsandbytes too)
-        raise RuntimeError(f"mpfused: sgd8bit_step_: momentum must be > 0, got {momentum}")
-    one_state_step(_sgd8bit_kernel, "sgd8bit_step_", "momentum_buffers", params, grads,
+                  param_ids=(), elem_offsets=(), _bits=8):
+    op = "sgd8bit_step_" if _bits == 8 else "sgd4bit_step_"
+    if not momentum > 0:  # the quantized state is the buffer: plain SGD has none (bnb too)
+        raise RuntimeError(f"mpfused: {op}: momentum must be > 0, got {momentum}")
+    one_state_step(_sgd8bit_kernel, op, "momentum_buffers", params, grads,
                    momentum_buffers, absmaxs, masters, steps, qmap, block_size, master_mode,
                    (lr, momentum, dampening, weight_decay), lr_tensor, grad_scale, found_inf,
                    norm_sq, max_grad_norm, seed, param_ids, elem_offsets,
-                   NESTEROV=bool(nesterov), MAXIMIZE=bool(maximize))
+                   bits=_bits, NESTEROV=bool(nesterov), MAXIMIZE=bool(maximize))
+
+
+def sgd4bit_step_(*args, **kwargs):
+    """mpfused::sgd4bit_step_: the 8-bit kernel specialized on 4-bit codes (BITS=4)."""
+    return sgd8bit_step_(*args, **kwargs, _bits=4)

@@ -3,6 +3,7 @@
 
 #include "../cpu/amp_cpu.h"
 #include "common.h"
+#include "op_signatures.h"
 
 namespace mpfused::bind {
 namespace {
@@ -50,6 +51,9 @@ void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
 }
 
 }  // namespace
+
+static_assert(std::is_same_v<decltype(check_grads_cpu), CheckGradsFn>,
+              "check_grads: the signature BoundLists calls (op_signatures.h)");
 
 TORCH_LIBRARY_IMPL(mpfused, CPU, m) {
   m.impl("unscale_grads_", &unscale_grads_cpu);

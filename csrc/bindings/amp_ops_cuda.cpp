@@ -8,6 +8,7 @@
 
 #include "../cuda/amp_cuda.h"
 #include "common.h"
+#include "op_signatures.h"
 
 namespace mpfused::bind {
 namespace {
@@ -73,6 +74,9 @@ void update_scale_cuda(const at::Tensor& scale, const at::Tensor& growth_tracker
 }
 
 }  // namespace
+
+static_assert(std::is_same_v<decltype(check_grads_cuda), CheckGradsFn>,
+              "check_grads: the signature BoundLists calls (op_signatures.h)");
 
 TORCH_LIBRARY_IMPL(mpfused, CUDA, m) {
   m.impl("unscale_grads_", &unscale_grads_cuda);

@@ -4,7 +4,8 @@
 // ~145 ns per tensor, 70% of a plain op call. The methods call the declared ops (adam_step_,
 // adam8bit_step_, sgd_step_, lion_step_) unboxed through the dispatcher, so the kernel serving
 // them is whichever native kernel serves the op on the lists' device; nothing here is device
-// specific.
+// specific. Each step method has a released_ twin for gradient release: the release bucket's
+// non-finite check and the step in one call (release_check below).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -155,7 +156,103 @@ struct BoundLists : torch::CustomClassHolder {
             beta1, beta2, weight_decay, maximize, master_mode, grad_scale, found_inf, norm_sq,
             max_grad_norm, seed, param_ids, elem_offsets);
   }
+
+  // sgd4bit_step_ / lion4bit_step_: the schemas of sgd8bit_step_ / lion8bit_step_ (4-bit codes,
+  // a 16-entry map).
+  void sgd4bit_step_(at::TensorList grads, const at::Tensor& qmap, int64_t block_size, double lr,
+                     const std::optional<at::Tensor>& lr_tensor, double momentum,
+                     double dampening, double weight_decay, bool nesterov, bool maximize,
+                     int64_t master_mode, const std::optional<at::Tensor>& grad_scale,
+                     const std::optional<at::Tensor>& found_inf,
+                     const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
+                     int64_t seed) {
+    expect_lists(5, "sgd4bit_step_", "params, momentum_buffers, absmaxs, masters, steps");
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("mpfused::sgd4bit_step_", "")
+                               .typed<Sgd8bitStepFn>();
+    op.call(list(0), grads, list(1), list(2), list(3), list(4), qmap, block_size, lr, lr_tensor,
+            momentum, dampening, weight_decay, nesterov, maximize, master_mode, grad_scale,
+            found_inf, norm_sq, max_grad_norm, seed, param_ids, elem_offsets);
+  }
+
+  void lion4bit_step_(at::TensorList grads, const at::Tensor& qmap, int64_t block_size, double lr,
+                      const std::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
+                      double weight_decay, bool maximize, int64_t master_mode,
+                      const std::optional<at::Tensor>& grad_scale,
+                      const std::optional<at::Tensor>& found_inf,
+                      const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
+                      int64_t seed) {
+    expect_lists(5, "lion4bit_step_", "params, exp_avgs, absmaxs, masters, steps");
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("mpfused::lion4bit_step_", "")
+                               .typed<Lion8bitStepFn>();
+    op.call(list(0), grads, list(1), list(2), list(3), list(4), qmap, block_size, lr, lr_tensor,
+            beta1, beta2, weight_decay, maximize, master_mode, grad_scale, found_inf, norm_sq,
+            max_grad_norm, seed, param_ids, elem_offsets);
+  }
 };
+
+// Gradient release (mpfused/optim/release.py), the part of a release bucket's update that
+// precedes its step: `found` (the bucket's own flag, reused from bucket to bucket) is cleared,
+// check_grads writes whether any of `check_grads` (all the release bucket's grads, of every
+// planner bucket it splits into) is non-finite after unscaling by `inv_scale`, and the flag is
+// folded into the backward's: found_total = max(found_total, found), skipped += (found > 0).
+// The step that follows reads `found` as its found_inf, so a bucket with a non-finite grad
+// changes nothing. The same as release.py's two-op path (check op, then step op), flag for flag.
+void release_check(at::TensorList check_grads, const at::Tensor& found,
+                   const at::Tensor& inv_scale, const at::Tensor& found_total,
+                   const at::Tensor& skipped) {
+  static const auto check = c10::Dispatcher::singleton()
+                                .findSchemaOrThrow("mpfused::check_grads", "")
+                                .typed<CheckGradsFn>();
+  const bool host = found.is_cpu() && found_total.is_cpu() && skipped.is_cpu();
+  if (host) {  // three 0-dim tensors: no ATen calls for them (each is ~1-2 us)
+    TORCH_CHECK(found.scalar_type() == at::kFloat && found_total.scalar_type() == at::kFloat &&
+                    skipped.scalar_type() == at::kInt && found.numel() == 1 &&
+                    found_total.numel() == 1 && skipped.numel() == 1,
+                "mpfused: BoundLists.released_*: found / found_total must be 1-element float32, "
+                "skipped a 1-element int32 tensor");
+    *found.data_ptr<float>() = 0.f;
+  } else {
+    found.zero_();
+  }
+  check.call(check_grads, found, inv_scale, std::nullopt, std::nullopt);
+  if (host) {
+    const float f = *found.data_ptr<float>();
+    float& total = *found_total.data_ptr<float>();
+    if (f > 0) {
+      total = total > f ? total : f;  // torch.maximum of two flags in {0, 1}
+      *skipped.data_ptr<int32_t>() += 1;
+    }
+  } else {
+    at::maximum_out(const_cast<at::Tensor&>(found_total), found_total, found);
+    const_cast<at::Tensor&>(skipped).add_(found.gt(0).to(skipped.device()));
+  }
+}
+
+// BoundLists.released_<op>(check_grads, found, inv_scale, found_total, skipped, grads, <the
+// op's other arguments>): release_check, then the step, in one call from Python (the step's
+// found_inf argument is `found`).
+template <class Method>
+struct Released;
+
+template <class... A>
+struct Released<void (BoundLists::*)(at::TensorList, A...)> {
+  template <void (BoundLists::*M)(at::TensorList, A...)>
+  static auto method() {
+    return [](const c10::intrusive_ptr<BoundLists>& self, at::TensorList check_grads,
+              const at::Tensor& found, const at::Tensor& inv_scale, const at::Tensor& found_total,
+              const at::Tensor& skipped, at::TensorList grads, A... args) {
+      release_check(check_grads, found, inv_scale, found_total, skipped);
+      ((*self).*M)(grads, args...);
+    };
+  }
+};
+
+template <auto M>
+auto released() {
+  return Released<decltype(M)>::template method<M>();
+}
 
 }  // namespace
 
@@ -164,12 +261,23 @@ TORCH_LIBRARY_FRAGMENT(mpfused, m) {
   m.class_<BoundLists>("BoundLists")
       .def(torch::init<at::TensorList, at::IntArrayRef, at::IntArrayRef, at::IntArrayRef>())
       .def("adam_step_", &BoundLists::adam_step_)
+      .def("released_adam_step_", released<&BoundLists::adam_step_>())
       .def("adam8bit_step_", &BoundLists::adam8bit_step_)
+      .def("released_adam8bit_step_", released<&BoundLists::adam8bit_step_>())
       .def("adam4bit_step_", &BoundLists::adam4bit_step_)
+      .def("released_adam4bit_step_", released<&BoundLists::adam4bit_step_>())
       .def("sgd_step_", &BoundLists::sgd_step_)
+      .def("released_sgd_step_", released<&BoundLists::sgd_step_>())
       .def("lion_step_", &BoundLists::lion_step_)
+      .def("released_lion_step_", released<&BoundLists::lion_step_>())
       .def("sgd8bit_step_", &BoundLists::sgd8bit_step_)
-      .def("lion8bit_step_", &BoundLists::lion8bit_step_);
+      .def("released_sgd8bit_step_", released<&BoundLists::sgd8bit_step_>())
+      .def("lion8bit_step_", &BoundLists::lion8bit_step_)
+      .def("released_lion8bit_step_", released<&BoundLists::lion8bit_step_>())
+      .def("sgd4bit_step_", &BoundLists::sgd4bit_step_)
+      .def("released_sgd4bit_step_", released<&BoundLists::sgd4bit_step_>())
+      .def("lion4bit_step_", &BoundLists::lion4bit_step_)
+      .def("released_lion4bit_step_", released<&BoundLists::lion4bit_step_>());
 }
 
 }  // namespace mpfused::bind

@@ -1,4 +1,4 @@
-// The C++ signatures of the multi-tensor step ops, as their schemas (mpfused/ops/*.py) map to
+// The C++ signatures of the multi-tensor step ops (and of check_grads), as their schemas (mpfused/ops/*.py) map to
 // C++: every backend's kernel has exactly this type (static_assert beside each registration),
 // so BoundLists can call the ops unboxed through the dispatcher.
 #pragma once
@@ -7,6 +7,12 @@
 #include <optional>
 
 namespace mpfused::bind {
+
+// check_grads (the read-only non-finite check of the loss-scaling ops): BoundLists' released_*
+// methods call it before the step (gradient release, mpfused/optim/release.py).
+using CheckGradsFn = void(at::TensorList grads, const at::Tensor& found_inf,
+                          const at::Tensor& inv_scale, const std::optional<at::Tensor>& norm_sq,
+                          const std::optional<at::Tensor>& norm_sq_per_tensor);
 
 using AdamStepFn = void(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                         at::TensorList exp_avg_sqs, at::TensorList max_exp_avg_sqs,

@@ -38,52 +38,6 @@ MPF_HD void encode_pair(float m, float v, float r1, float r2, const uint32_t* __
   }
 }
 
-// Codes q[0, count) of elements [from, from + count) into a state of BITS-bit codes. 4-bit: an
-// odd `from` shares its byte with the element before (written earlier in the same pass: only
-// the low nibble is set); an odd end leaves the low nibble 0 (the padding of an odd-sized tensor,
-// or a seam the next store fills).
-template <int BITS>
-MPF_HD void store_codes(uint8_t* __restrict c, int64_t from, const int32_t* __restrict q,
-                        int64_t count) {
-  if constexpr (BITS == 8) {
-#pragma omp simd
-    for (int64_t j = 0; j < count; ++j) c[from + j] = uint8_t(q[j]);
-  } else {
-    int64_t j = 0;
-    if ((from & 1) != 0 && count > 0) {
-      c[from >> 1] = uint8_t((c[from >> 1] & 0xF0) | (q[0] & 0xF));
-      j = 1;
-    }
-    uint8_t* __restrict d = c + ((from + j) >> 1);
-    const int64_t pairs = (count - j) >> 1;
-#pragma omp simd
-    for (int64_t k = 0; k < pairs; ++k) d[k] = quant4_pack(q[j + 2 * k], q[j + 2 * k + 1]);
-    if (((count - j) & 1) != 0) d[pairs] = quant4_pack(q[count - 1], 0);
-  }
-}
-
-// Codes of elements [from, from + count) of a BITS-bit state, widened to int32.
-template <int BITS>
-MPF_HD void load_codes(const uint8_t* __restrict c, int64_t from, int32_t* __restrict q,
-                       int64_t count) {
-  if constexpr (BITS == 4) {
-    if ((from & 1) == 0) {  // always, in the kernel: tiles start on a byte
-      const uint8_t* __restrict b = c + (from >> 1);
-      const int64_t pairs = count >> 1;
-#pragma omp simd
-      for (int64_t k = 0; k < pairs; ++k) {
-        q[2 * k] = b[k] >> 4;
-        q[2 * k + 1] = b[k] & 0xF;
-      }
-      if ((count & 1) != 0) q[count - 1] = b[pairs] >> 4;
-      return;
-    }
-  }
-#pragma omp simd
-  for (int64_t j = 0; j < count; ++j)
-    q[j] = BITS == 8 ? int32_t(c[from + j]) : quant4_code_at(c, from + j);
-}
-
 // Pass 2 alone over elements [from, to) of one block (moments in mb/vb, codes at c1/c2).
 template <bool LUT, int BITS>
 MPF_HD void requantize(const float* __restrict mb, const float* __restrict vb, uint8_t* __restrict c1,
@@ -134,6 +88,9 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
   alignas(64) float vb[2][kMaxBlock];
   alignas(64) int32_t in1[kTile], in2[kTile], out1[kTile], out2[kTile];
   alignas(64) float d1[kTile], d2[kTile];  // VBMI: the decoded map entries
+  // remainder8: the int8 corrections widened to int16 per tile (see remainder8_join_wide)
+  constexpr bool kWide8 = MODE == kRemainder8;
+  alignas(64) int16_t rin[kWide8 ? kTile : 1], rout[kWide8 ? kTile : 1];
 
   int64_t prev_b0 = -1, prev_len = 0;
   float prev_r1 = 0.f, prev_r2 = 0.f;
@@ -164,6 +121,7 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
         load_codes<BITS>(c1, o, in1, tl);
         load_codes<BITS>(c2, o, in2, tl);
       }
+      if constexpr (kWide8) widen_corrections(mst + o, rin, tl);
       float* __restrict mc = mb[cur] + t0;
       float* __restrict vc = vb[cur] + t0;
       const float* __restrict mp_ = mb[prv] + t0;
@@ -177,12 +135,15 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
 #pragma omp simd reduction(max : t1, t2)
         for (int64_t j = 0; j < tl; ++j) {
           const int64_t i = o + j;
-          float w = load_weight<T, MODE>(p, mst, i);
+          float w;
+          if constexpr (kWide8) w = remainder8_join_wide(p[i].bits, rin[j]);
+          else w = load_weight<T, MODE>(p, mst, i);
           float m = VBMI ? d1[j] * a1 : quant8_decode(map1, in1[j], a1);
           float v = VBMI ? d2[j] * a2 : quant8_decode(map2, in2[j], a2);
           float unused = 0.f;
           adam_element<false>(w, to_f32(g[i]), m, v, unused, sc);
-          store_weight<T, MODE>(w, p, mst, i, seed, stream, begin + i);
+          if constexpr (kWide8) remainder8_split_wide(w, p[i].bits, rout[j]);
+          else store_weight<T, MODE>(w, p, mst, i, seed, stream, begin + i);
           mc[j] = m;
           vc[j] = v;
           const uint32_t b1 = f32_bits(fabsf(m)), b2 = f32_bits(fabsf(v));
@@ -196,6 +157,7 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
       };
       if (pipe) update(std::true_type{});
       else update(std::false_type{});
+      if constexpr (kWide8) narrow_corrections(rout, mst + o, tl);
       if (pipe) {
         store_codes<BITS>(c1, prev_b0 + t0, out1, tl);
         store_codes<BITS>(c2, prev_b0 + t0, out2, tl);

@@ -1,9 +1,10 @@
-// The CPU kernel of every step with one block-wise 8-bit state, generic over the algorithm's
-// per-element update U: u.visit(f) calls f with a functor uc, uc(w, g, s) updating the fp32
-// param w and the fp32 state s (sgd_element / lion_element with the tensor's scalars). Codes
-// and absmax follow exactly the rules of adam8bit_cpu.cpp's first moment: the same encoder (LUT
-// with the sign rule), the same decode, the new absmax as the bits of max |s| (a NaN state gives
-// a NaN absmax).
+// The CPU kernel of every step with one block-wise 8-bit or 4-bit state, generic over the
+// algorithm's per-element update U: u.visit(f) calls f with a functor uc, uc(w, g, s) updating
+// the fp32 param w and the fp32 state s (sgd_element / lion_element with the tensor's scalars).
+// Codes and absmax follow exactly the rules of adam8bit_cpu.cpp's first moment: the same encoder
+// (LUT; 8-bit with the sign rule, 4-bit without), the same decode, the new absmax as the bits of
+// max |s| (a NaN state gives a NaN absmax). BITS = 4: two codes per byte (quant8_math.h's "4-bit
+// codes", load_codes / store_codes of quant8_cpu.h), a 16-entry map, codes at begin / 2.
 // Included by one .cpp per algorithm; everything here is per translation unit.
 #pragma once
 #include <omp.h>
@@ -21,8 +22,8 @@ namespace {
 
 struct StateMap {
   const float* map;
-  const Encoder* enc;  // the map's encoder with the sign rule at zero_code
-  int32_t zero_code;
+  const Encoder* enc;  // the map's encoder with the sign rule at zero_code (8-bit)
+  int32_t zero_code;   // -1: no sign rule (4-bit)
 };
 
 // One chunk (whole quantization blocks) of one tensor. Per block: pass 1 dequantizes with the
@@ -30,12 +31,14 @@ struct StateMap {
 // new absmax; pass 2 requantizes the block with it. Not pipelined as Adam's: pass 2's table
 // gathers take about two thirds of the step (perf), and pass 1, without Adam's divisions, has no
 // latency for them to hide in.
-template <class U, typename T, int MODE, bool LUT, bool VBMI = false>
+// VBMI: decode without gathers (8-bit: VBMI byte permutes; 4-bit: AVX-512 vpermps).
+template <class U, typename T, int MODE, bool LUT, int BITS, bool VBMI = false>
 MPF_HD void state8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t block,
                             const U& upd, const StateMap& sm, uint64_t seed, uint64_t stream) {
   T* __restrict p = static_cast<T*>(ops[kSParam]) + begin;
   const T* __restrict g = static_cast<const T*>(ops[kSGrad]) + begin;
-  uint8_t* __restrict c = static_cast<uint8_t*>(ops[kSState]) + begin;
+  // element offsets below are relative to `begin`, which is block-aligned (so even)
+  uint8_t* __restrict c = static_cast<uint8_t*>(ops[kSState]) + begin * BITS / 8;
   master_t<MODE>* __restrict mst = master_operand<MODE>(ops[kSMaster], begin);
   float* __restrict absmax = static_cast<float*>(ops[kSAbsmax]);
   const float* __restrict map = sm.map;
@@ -48,6 +51,9 @@ MPF_HD void state8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t 
   // gathers (compilers emulate gathers with 8-bit indices element by element).
   alignas(64) int32_t codes[kTile];
   alignas(64) float dec[kTile];  // VBMI: the decoded map entries
+  // remainder8: the int8 corrections widened to int16 per tile (see remainder8_join_wide)
+  constexpr bool kWide8 = MODE == kRemainder8;
+  alignas(64) int16_t rin[kWide8 ? kTile : 1], rout[kWide8 ? kTile : 1];
   for (int64_t b0 = 0; b0 < n; b0 += block) {
     const int64_t len = n - b0 < block ? n - b0 : block;
     const int64_t blk = (begin + b0) / block;
@@ -58,12 +64,13 @@ MPF_HD void state8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t 
       const int64_t o = b0 + t0;
       if constexpr (VBMI) {
 #if MPF_8BIT_ISAS
-        decode_tile_vbmi(sm.enc->planes, map, c + o, dec, tl);
+        if constexpr (BITS == 8) decode_tile_vbmi(sm.enc->planes, map, c + o, dec, tl);
+        else decode_tile4_avx512(map, c + o / 2, dec, tl);  // o is even: tiles start on a byte
 #endif
       } else {
-#pragma omp simd
-        for (int64_t j = 0; j < tl; ++j) codes[j] = c[o + j];
+        load_codes<BITS>(c, o, codes, tl);
       }
+      if constexpr (kWide8) widen_corrections(mst + o, rin, tl);
       float* __restrict sc = sb + t0;
       // u.visit hands the loop the update with its per-tensor cases decided (SGD: first step,
       // weight decay): one loop per case, none with arithmetic under a condition, which
@@ -73,16 +80,20 @@ MPF_HD void state8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t 
 #pragma omp simd reduction(max : tm)
         for (int64_t j = 0; j < tl; ++j) {
           const int64_t i = o + j;
-          float w = load_weight<T, MODE>(p, mst, i);
+          float w;
+          if constexpr (kWide8) w = remainder8_join_wide(p[i].bits, rin[j]);
+          else w = load_weight<T, MODE>(p, mst, i);
           float s = VBMI ? dec[j] * a : quant8_decode(map, codes[j], a);
           uc(w, to_f32(g[i]), s);
-          store_weight<T, MODE>(w, p, mst, i, seed, stream, begin + i);
+          if constexpr (kWide8) remainder8_split_wide(w, p[i].bits, rout[j]);
+          else store_weight<T, MODE>(w, p, mst, i, seed, stream, begin + i);
           sc[j] = s;
           const uint32_t bits = f32_bits(fabsf(s));
           tm = tm > bits ? tm : bits;
         }
         am = tm;
       });
+      if constexpr (kWide8) narrow_corrections(rout, mst + o, tl);
     }
     absmax[blk] = bits_f32(am);
     const float r = quant8_inv_scale(bits_f32(am));
@@ -92,11 +103,10 @@ MPF_HD void state8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t 
 #pragma omp simd
       for (int64_t j = 0; j < tl; ++j) {
         const float x = sc[j] * r;
-        if constexpr (LUT) codes[j] = int32_t(quant8_encode_lut(lut, x));  // sign rule in the table
+        if constexpr (LUT) codes[j] = int32_t(quant8_encode_lut(lut, x));  // 8-bit: sign rule in it
         else codes[j] = quant8_keep_negative(quant8_encode(thr, x), sc[j], zc);
       }
-#pragma omp simd
-      for (int64_t j = 0; j < tl; ++j) c[b0 + t0 + j] = uint8_t(codes[j]);
+      store_codes<BITS>(c, b0 + t0, codes, tl);
     }
   }
 }
@@ -110,37 +120,40 @@ using StateChunkFn = void (*)(void* const*, int64_t, int64_t, int64_t, const U&,
       uint64_t seed, uint64_t stream
 #define MPF_STATE8_CALL(...) state8bit_chunk<__VA_ARGS__>(ops, begin, n, block, u, sm, seed, stream)
 
-template <class U, typename T, int MODE, bool LUT>
-void state8_base(MPF_STATE8_ARGS) { MPF_STATE8_CALL(U, T, MODE, LUT); }
+template <class U, typename T, int MODE, bool LUT, int BITS>
+void state8_base(MPF_STATE8_ARGS) { MPF_STATE8_CALL(U, T, MODE, LUT, BITS); }
 #if MPF_8BIT_ISAS
+template <class U, typename T, int MODE, int BITS>
+MPF_8BIT_V3 void state8_v3(MPF_STATE8_ARGS) { MPF_STATE8_CALL(U, T, MODE, true, BITS); }
+template <class U, typename T, int MODE, int BITS>  // 4-bit: the vpermps decode (AVX-512)
+MPF_8BIT_V4 void state8_v4(MPF_STATE8_ARGS) { MPF_STATE8_CALL(U, T, MODE, true, BITS, BITS == 4); }
 template <class U, typename T, int MODE>
-MPF_8BIT_V3 void state8_v3(MPF_STATE8_ARGS) { MPF_STATE8_CALL(U, T, MODE, true); }
-template <class U, typename T, int MODE>
-MPF_8BIT_V4 void state8_v4(MPF_STATE8_ARGS) { MPF_STATE8_CALL(U, T, MODE, true); }
-template <class U, typename T, int MODE>
-MPF_8BIT_VBMI void state8_vbmi(MPF_STATE8_ARGS) { MPF_STATE8_CALL(U, T, MODE, true, true); }
+MPF_8BIT_VBMI void state8_vbmi(MPF_STATE8_ARGS) { MPF_STATE8_CALL(U, T, MODE, true, 8, true); }
 #endif
 #undef MPF_STATE8_ARGS
 #undef MPF_STATE8_CALL
 
 // The table-driven encode on the fastest ISA (isa_level); maps the tables cannot encode exactly
-// (never the bitsandbytes maps) take the binary search, baseline build only.
-template <class U, typename T, int MODE>
+// (never the bitsandbytes or torchao maps) take the binary search, baseline build only. 4-bit
+// codes take the v4 build on a VBMI CPU, which decodes them with vpermps (VBMI's is for bytes).
+template <class U, typename T, int MODE, int BITS>
 StateChunkFn<U> pick_state8_isa(bool lut) {
-  if (!lut) return &state8_base<U, T, MODE, false>;
+  if (!lut) return &state8_base<U, T, MODE, false, BITS>;
 #if MPF_8BIT_ISAS
   const int level = isa_level();
-  if (level == 5) return &state8_vbmi<U, T, MODE>;
-  if (level == 4) return &state8_v4<U, T, MODE>;
-  if (level == 3) return &state8_v3<U, T, MODE>;
+  if constexpr (BITS == 8)
+    if (level == 5) return &state8_vbmi<U, T, MODE>;
+  if (level >= 4) return &state8_v4<U, T, MODE, BITS>;
+  if (level == 3) return &state8_v3<U, T, MODE, BITS>;
 #endif
-  return &state8_base<U, T, MODE, true>;
+  return &state8_base<U, T, MODE, true, BITS>;
 }
 
 template <class U>
-StateChunkFn<U> pick_state8_kernel(int32_t dtype, int mode, bool lut) {
-  return dispatch_master_mode(dtype, mode, [lut](auto tag, auto m) {
-    return pick_state8_isa<U, decltype(tag), decltype(m)::value>(lut);
+StateChunkFn<U> pick_state8_kernel(int32_t dtype, int mode, bool lut, int code_bits) {
+  return dispatch_master_mode(dtype, mode, [lut, code_bits](auto tag, auto m) {
+    return code_bits == 4 ? pick_state8_isa<U, decltype(tag), decltype(m)::value, 4>(lut)
+                          : pick_state8_isa<U, decltype(tag), decltype(m)::value, 8>(lut);
   });
 }
 
@@ -149,13 +162,13 @@ StateChunkFn<U> pick_state8_kernel(int32_t dtype, int mode, bool lut) {
 template <class U>
 void state8bit_step(const TensorLists<5>& t, const double* step, const State8bitConfig& c,
                     const std::vector<U>& upd, int num_threads) {
-  const StateMap sm{c.map, &encoder_for(c.map, c.zero_code), c.zero_code};
+  const StateMap sm{c.map, &encoder_for(c.map, c.zero_code, 1 << c.code_bits), c.zero_code};
   const bool lut = sm.enc->lut.exact;
   const std::vector<Chunk> chunks = make_chunks(t.numel, t.size);  // block-aligned (kMaxBlock)
   std::vector<StateChunkFn<U>> kernels(size_t(t.size));
   std::vector<uint64_t> seeds(size_t(t.size));
   for (int64_t i = 0; i < t.size; ++i) {
-    kernels[i] = pick_state8_kernel<U>(t.dtype[i], c.master_mode, lut);
+    kernels[i] = pick_state8_kernel<U>(t.dtype[i], c.master_mode, lut, c.code_bits);
     seeds[i] = step_seed(c.seed, step[i]);
   }
   const int64_t nc = int64_t(chunks.size());

@@ -48,6 +48,19 @@ int isa_level();
 
 namespace {  // per translation unit, as before the move (inlining decisions unchanged)
 
+// remainder8 masters staged through int16 tiles around a hot loop (remainder8_join_wide).
+template <typename M>
+MPF_HD void widen_corrections(const M* __restrict src, int16_t* __restrict dst, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dst[j] = int16_t(src[j]);
+}
+
+template <typename M>
+MPF_HD void narrow_corrections(const int16_t* __restrict src, M* __restrict dst, int64_t n) {
+#pragma omp simd
+  for (int64_t j = 0; j < n; ++j) dst[j] = M(src[j]);
+}
+
 #if MPF_8BIT_ISAS
 // Byte position 16L + 4q + r (lane L, slot r of output vector q) takes code 16q + 4L + r: the
 // order in which decode_tile_vbmi's per-lane interleave leaves the floats in order.
@@ -113,6 +126,52 @@ constexpr DecodePerm kDecodePerm = make_decode_perm();
   for (; j < n; ++j) out[j] = map[quant4_code_at(codes, j)];
 }
 #endif
+
+// Codes q[0, count) of elements [from, from + count) into a state of BITS-bit codes. 4-bit: an
+// odd `from` shares its byte with the element before (written earlier in the same pass: only
+// the low nibble is set); an odd end leaves the low nibble 0 (the padding of an odd-sized tensor,
+// or a seam the next store fills).
+template <int BITS>
+MPF_HD void store_codes(uint8_t* __restrict c, int64_t from, const int32_t* __restrict q,
+                        int64_t count) {
+  if constexpr (BITS == 8) {
+#pragma omp simd
+    for (int64_t j = 0; j < count; ++j) c[from + j] = uint8_t(q[j]);
+  } else {
+    int64_t j = 0;
+    if ((from & 1) != 0 && count > 0) {
+      c[from >> 1] = uint8_t((c[from >> 1] & 0xF0) | (q[0] & 0xF));
+      j = 1;
+    }
+    uint8_t* __restrict d = c + ((from + j) >> 1);
+    const int64_t pairs = (count - j) >> 1;
+#pragma omp simd
+    for (int64_t k = 0; k < pairs; ++k) d[k] = quant4_pack(q[j + 2 * k], q[j + 2 * k + 1]);
+    if (((count - j) & 1) != 0) d[pairs] = quant4_pack(q[count - 1], 0);
+  }
+}
+
+// Codes of elements [from, from + count) of a BITS-bit state, widened to int32.
+template <int BITS>
+MPF_HD void load_codes(const uint8_t* __restrict c, int64_t from, int32_t* __restrict q,
+                       int64_t count) {
+  if constexpr (BITS == 4) {
+    if ((from & 1) == 0) {  // always, in the kernel: tiles start on a byte
+      const uint8_t* __restrict b = c + (from >> 1);
+      const int64_t pairs = count >> 1;
+#pragma omp simd
+      for (int64_t k = 0; k < pairs; ++k) {
+        q[2 * k] = b[k] >> 4;
+        q[2 * k + 1] = b[k] & 0xF;
+      }
+      if ((count & 1) != 0) q[count - 1] = b[pairs] >> 4;
+      return;
+    }
+  }
+#pragma omp simd
+  for (int64_t j = 0; j < count; ++j)
+    q[j] = BITS == 8 ? int32_t(c[from + j]) : quant4_code_at(c, from + j);
+}
 
 }  // namespace
 }  // namespace mpfused::cpu

@@ -1,7 +1,16 @@
-// CUDA multi-tensor Adam/AdamW step with block-wise 8-bit moments. The per-element work is
-// cpu::adam8bit_chunk's (the shared adam_math.h / quant8_math.h functions, maps and thresholds in
-// shared memory); the dtype/mode dispatch is cpu::pick_kernel's, done per CUDA block on the
-// tensor's dtype code so one launch serves mixed-dtype lists.
+// CUDA multi-tensor Adam/AdamW step with block-wise 8-bit or 4-bit moments (adam8bit_step_ and
+// adam4bit_step_). The per-element work is cpu::adam8bit_chunk's (the shared adam_math.h /
+// quant8_math.h functions, maps and thresholds in shared memory); the dtype/mode dispatch is
+// dispatch_master_mode's (as the CPU kernel's), done per CUDA block on the tensor's dtype code
+// (effective_master_mode) so one launch serves mixed-dtype lists.
+//
+// Code width BITS (8 | 4) is a specialization of the same kernel, as cpu::adam8bit_chunk's BITS:
+// 4-bit maps have 16 entries (copied as such; their 15 thresholds padded with +inf to 255 by the
+// prepare launch, searched from node 16: quant4_encode_eytzinger), two codes per byte (element 2k
+// in the high nibble, quant8_block_cuda.cuh's load_codes / store_codes: two byte loads, a 2-byte
+// store where aligned, an odd tensor end with a zero low nibble), codes of a chunk at begin / 2,
+// no sign rule, and the maps' validity is a flag of the prepared workspace (sorted; 8-bit also
+// +0 above the first entry).
 //
 // Work split. multi_tensor_apply cuts every tensor into chunks of q8::kChunk = 4096 elements, one
 // CUDA block (kBlockSize = 512 threads) per chunk. 4096 is a multiple of every quantization block
@@ -16,9 +25,9 @@
 // step into the caller's workspace: the 2 x 255 decision thresholds in Eytzinger order, the map
 // checks and the +0 code of map 1, and each tensor's AdamScalars (fp64 pow) and seed.
 // Per block:
-//   setup     all threads copy both maps and both threshold arrays to shared memory (one float
-//             each per array, coalesced); thread 0 copies the tensor's scalars and the +0 code.
-//             One barrier, no arithmetic.
+//   setup     all threads copy both maps (4-bit: their 16 entries) and both threshold arrays to
+//             shared memory (one float each per array, coalesced); thread 0 copies the tensor's
+//             scalars, the +0 code and the validity flag. One barrier, no arithmetic.
 //   update    two passes; in pass k thread t owns elements 2048 k + 4t .. +3 (coalesced 16/8/4-
 //             byte accesses when aligned, element-wise otherwise and at the tail; 4 consecutive
 //             elements are always in one quantization block): it dequantizes with the OLD
@@ -33,10 +42,11 @@
 //   encode    the new absmax is stored, then each thread requantizes its own parked moments
 //             (quant8_inv_scale, quant8_encode_eytzinger over the shared thresholds: the CPU's
 //             codes, with ~3x fewer shared-memory bank conflicts than the sorted layout,
-//             keep_negative).
+//             keep_negative for 8-bit m).
 // One barrier in setup, one or two in the reduction. found_inf > 0: every block leaves first.
 // Shared memory 37.7 KB (32 KB of parked moments); at most 64 registers (Adam8bitFunctor asks
 // for two blocks per SM), so one block's setup and reduction overlap the other's memory traffic.
+// Both widths (tests/test_cuda_compile.py pins the figures).
 //
 // tests/cuda_emulation/adam8bit_vs_cpu.cpp runs this file unchanged on the host (every block as
 // 512 cooperative threads, tests/cuda_emulation/cuda_runtime.h) and compares it byte for byte
@@ -65,15 +75,17 @@ struct alignas(16) Shared {  // 16: the parked moments are accessed as 16-byte v
   QMax<2> red;  // new absmax of m (0) and v (1): stage-A partials, block maxima
   AdamScalars scalars;
   uint64_t seed;
-  int32_t zero_code;
+  int32_t zero_code;  // 8-bit: the +0 code of map 1 (the sign rule)
+  int32_t valid;      // the maps passed the prepare launch's checks
 };
 // Bank of eyt[k] = k mod 32, as tests/test_quant8_eytzinger.py's conflict count assumes.
 static_assert(offsetof(Shared, eyt1) % 128 == 0 && offsetof(Shared, eyt2) % 128 == 0,
               "Eytzinger thresholds start at bank 0");
 
 // One chunk (whole quantization blocks) of one tensor, run by all kBlockSize threads of a block.
-// T / MODE: the effective storage type and master mode (cpu::pick_kernel's choice).
-template <typename T, int MODE>
+// T / MODE: the effective storage type and master mode (dispatch_master_mode's choice); BITS: the
+// code width.
+template <typename T, int MODE, int BITS>
 __device__ __forceinline__ void run_chunk(Shared& sh, const MtaChunk<kAdam8bitDepth>& c,
                                           const Adam8bitConfig& cfg, const Workspace& ws) {
   const int tid = int(threadIdx.x);
@@ -87,13 +99,14 @@ __device__ __forceinline__ void run_chunk(Shared& sh, const MtaChunk<kAdam8bitDe
   float* absmax2 = static_cast<float*>(c.ptr[kQ8Absmax2]) + (c.begin >> lb);
 
   // ---- setup: copy what the prepare launch computed for this step ----------------------------
+  constexpr int kCodes = 1 << BITS;  // map entries (only codes < kCodes are ever decoded)
   {
     const int i = tid % kQuantCodes;
     if (tid < kQuantCodes) {
-      sh.map1[i] = cfg.map1[i];
+      if (i < kCodes) sh.map1[i] = cfg.map1[i];
       sh.eyt1[i] = ws.maps->eyt[0][i];
     } else {
-      sh.map2[i] = cfg.map2[i];
+      if (i < kCodes) sh.map2[i] = cfg.map2[i];
       sh.eyt2[i] = ws.maps->eyt[1][i];
     }
   }
@@ -102,10 +115,11 @@ __device__ __forceinline__ void run_chunk(Shared& sh, const MtaChunk<kAdam8bitDe
     sh.scalars = pt.s;
     sh.seed = pt.seed;
     sh.zero_code = ws.maps->zero_code;
+    sh.valid = ws.maps->valid;
   }
   __syncthreads();
   const int32_t zc = sh.zero_code;
-  if (zc <= 0) {  // a map is unusable (uniform): poison this chunk's absmax, write nothing else
+  if (sh.valid == 0) {  // a map is unusable (uniform): poison the absmax, write nothing else
     if (tid < nq) {
       absmax1[tid] = NAN;
       absmax2[tid] = NAN;
@@ -118,13 +132,15 @@ __device__ __forceinline__ void run_chunk(Shared& sh, const MtaChunk<kAdam8bitDe
   // ---- update ---------------------------------------------------------------------------------
   T* p = static_cast<T*>(c.ptr[kQ8Param]) + c.begin;
   const T* g = static_cast<const T*>(c.ptr[kQ8Grad]) + c.begin;
-  uint8_t* c1 = static_cast<uint8_t*>(c.ptr[kQ8ExpAvg]) + c.begin;
-  uint8_t* c2 = static_cast<uint8_t*>(c.ptr[kQ8ExpAvgSq]) + c.begin;
+  // codes of the chunk: c.begin is a multiple of kChunk, so 4-bit ones start on a byte
+  uint8_t* c1 = static_cast<uint8_t*>(c.ptr[kQ8ExpAvg]) + c.begin * BITS / 8;
+  uint8_t* c2 = static_cast<uint8_t*>(c.ptr[kQ8ExpAvgSq]) + c.begin * BITS / 8;
+  constexpr unsigned kCodeBytes = kVec * BITS / 8;  // of one vector
   using M = master_t<MODE>;
   constexpr bool kHasM = MasterStore<MODE>::kStored;
   M* mst = master_operand<MODE>(c.ptr[kQ8Master], c.begin);
   const bool vec = aligned(p, kVec * sizeof(T)) && aligned(g, kVec * sizeof(T)) &&
-                   aligned(c1, kVec) && aligned(c2, kVec) &&
+                   aligned(c1, kCodeBytes) && aligned(c2, kCodeBytes) &&
                    (!kHasM || aligned(mst, kVec * sizeof(M)));
 
   // Pass k: thread t owns elements e = 2048 k + 4t .. +3 (one quantization block). The updated
@@ -140,12 +156,11 @@ __device__ __forceinline__ void run_chunk(Shared& sh, const MtaChunk<kAdam8bitDe
     uint32_t x[2] = {0u, 0u};  // bits of max |m|, max |v| over the vector
     if (cnt > 0) {
       T pv[kVec], gv[kVec];
-      uint8_t k1[kVec], k2[kVec];
       M mv_[kVec] = {};
       load_n(p, e, cnt, vec, pv);
       load_n(g, e, cnt, vec, gv);
-      load_n(c1, e, cnt, vec, k1);
-      load_n(c2, e, cnt, vec, k2);
+      const Codes<BITS> k1 = load_codes<BITS>(c1, e, cnt, vec);
+      const Codes<BITS> k2 = load_codes<BITS>(c2, e, cnt, vec);
       if constexpr (kHasM) load_n(mst, e, cnt, vec, mv_);
       const float a1 = absmax1[e >> lb];  // the OLD absmax (overwritten after the barriers)
       const float a2 = absmax2[e >> lb];
@@ -191,29 +206,29 @@ __device__ __forceinline__ void run_chunk(Shared& sh, const MtaChunk<kAdam8bitDe
     const VecN<float, kVec> mv = *reinterpret_cast<const VecN<float, kVec>*>(sh.mst + e);
     const VecN<float, kVec> vv = *reinterpret_cast<const VecN<float, kVec>*>(sh.vst + e);
     uint8_t k1[kVec], k2[kVec];
-    encode_n<true>(sh.eyt1, mv, r1, zc, k1);
-    encode_n<false>(sh.eyt2, vv, r2, zc, k2);
-    store_n(c1, e, cnt, vec, k1);
-    store_n(c2, e, cnt, vec, k2);
+    encode_n<BITS == 8, BITS>(sh.eyt1, mv, r1, zc, k1);  // the sign rule: 8-bit m only
+    encode_n<false, BITS>(sh.eyt2, vv, r2, zc, k2);
+    store_codes<BITS>(c1, e, cnt, vec, k1);
+    store_codes<BITS>(c2, e, cnt, vec, k2);
   }
 }
 
-// The chunk of one block: skip test, then cpu::pick_kernel's dtype/mode dispatch. MODE is the
-// requested master mode.
-template <int MODE>
+// The chunk of one block: skip test, then the dtype/mode dispatch (effective_master_mode). MODE
+// is the requested master mode.
+template <int MODE, int BITS>
 __device__ __forceinline__ void run_block(Shared& sh, const MtaChunk<kAdam8bitDepth>& c,
                                           const Adam8bitConfig& cfg, const Workspace& ws) {
   // Skipped step: every block leaves before touching anything (uniform branch).
   if (cfg.found_inf != nullptr && *cfg.found_inf > 0.f) return;
   switch (c.dtype) {  // effective_master_mode: fp32 params are their own master
     case kFloat32:
-      run_chunk<float, effective_master_mode<float>(MODE)>(sh, c, cfg, ws);
+      run_chunk<float, effective_master_mode<float>(MODE), BITS>(sh, c, cfg, ws);
       break;
     case kFloat16:
-      run_chunk<f16_t, effective_master_mode<f16_t>(MODE)>(sh, c, cfg, ws);
+      run_chunk<f16_t, effective_master_mode<f16_t>(MODE), BITS>(sh, c, cfg, ws);
       break;
     default:
-      run_chunk<bf16_t, effective_master_mode<bf16_t>(MODE)>(sh, c, cfg, ws);
+      run_chunk<bf16_t, effective_master_mode<bf16_t>(MODE), BITS>(sh, c, cfg, ws);
       break;
   }
 }
@@ -222,7 +237,7 @@ __device__ __forceinline__ void run_block(Shared& sh, const MtaChunk<kAdam8bitDe
 
 namespace {
 
-template <int MODE>
+template <int MODE, int BITS>
 struct Adam8bitFunctor {
   // Two blocks per SM (64 registers): one block's setup and barrier-bound reduction overlap the
   // other's memory traffic. Left to itself ptxas (13.0, sm_90) takes 82-92 registers, one block
@@ -233,17 +248,17 @@ struct Adam8bitFunctor {
 
   __device__ __forceinline__ void operator()(const MtaChunk<kAdam8bitDepth>& c) const {
     __shared__ q8::Shared sh;
-    q8::run_block<MODE>(sh, c, cfg, q8::Workspace(workspace));
+    q8::run_block<MODE, BITS>(sh, c, cfg, q8::Workspace(workspace));
   }
 };
 
-template <int MODE>
+template <int MODE, int BITS>
 cudaError_t launch(const TensorLists<kAdam8bitDepth>& t, const Adam8bitConfig& cfg,
                    void* workspace, cudaStream_t stream) {
-  const cudaError_t err = q8::prepare(t, cfg, workspace, stream);
+  const cudaError_t err = q8::prepare<BITS>(t, cfg, workspace, stream);
   if (err != cudaSuccess) return err;
   return multi_tensor_apply<kAdam8bitDepth>(t, q8::kChunk, stream,
-                                            Adam8bitFunctor<MODE>{cfg, workspace});
+                                            Adam8bitFunctor<MODE, BITS>{cfg, workspace});
 }
 
 }  // namespace
@@ -252,12 +267,16 @@ cudaError_t adam8bit_step(const TensorLists<kAdam8bitDepth>& t, const Adam8bitCo
                           void* workspace, cudaStream_t stream) {
   const int64_t b = cfg.block_size;
   if (b < q8::kMinBlock || b > q8::kMaxBlock || (b & (b - 1)) != 0) return cudaErrorInvalidValue;
+  if (cfg.code_bits != 8 && cfg.code_bits != 4) return cudaErrorInvalidValue;
   if (workspace == nullptr || (reinterpret_cast<uintptr_t>(workspace) & 15) != 0)
     return cudaErrorInvalidValue;
   if (t.size == 0) return cudaSuccess;
   // bf16 has every mode: the kernel narrows it per dtype (effective_master_mode)
-  return dispatch_master_mode(kBFloat16, cfg.master_mode,
-                              [&](auto, auto m) { return launch<decltype(m)::value>(t, cfg, workspace, stream); });
+  return dispatch_master_mode(kBFloat16, cfg.master_mode, [&](auto, auto m) {
+    constexpr int kMode = decltype(m)::value;
+    return cfg.code_bits == 4 ? launch<kMode, 4>(t, cfg, workspace, stream)
+                              : launch<kMode, 8>(t, cfg, workspace, stream);
+  });
 }
 
 size_t adam8bit_workspace_bytes(int64_t ntensors) { return q8::workspace_bytes(ntensors); }

@@ -1,6 +1,7 @@
-// The prepare launch of the 8-bit Adam kernel (adam8bit_cuda.cu), on quant8_prepare.cuh: both
-// maps' Eytzinger thresholds and the +0 code of map 1, and each tensor's AdamScalars (the fp64
-// pow of the bias corrections) and seed, once per call into the caller's workspace.
+// The prepare launch of the 8-bit / 4-bit Adam kernel (adam8bit_cuda.cu), on quant8_prepare.cuh:
+// both maps' Eytzinger thresholds (4-bit: padded with +inf), the map checks and the +0 code of
+// map 1 (8-bit), and each tensor's AdamScalars (the fp64 pow of the bias corrections) and seed,
+// once per call into the caller's workspace. BITS: the code width (8: 256-entry maps, 4: 16).
 #pragma once
 #include <stddef.h>
 
@@ -17,8 +18,10 @@ struct alignas(16) PreparedTensor {
 };
 static_assert(sizeof(PreparedTensor) == 48, "workspace layout: every byte a member");
 
+template <int BITS>
 struct AdamPrepare {
   static constexpr int kMaps = 2;
+  static constexpr int kCodes = 1 << BITS;
   using Config = Adam8bitConfig;
   using Tensor = PreparedTensor;
 
@@ -43,13 +46,14 @@ struct AdamPrepare {
   }
 };
 
-using Workspace = PreparedWorkspace<AdamPrepare::kMaps, PreparedTensor>;
+using Workspace = PreparedWorkspace<2, PreparedTensor>;  // both widths: the same layout
 
 inline size_t workspace_bytes(int64_t ntensors) { return Workspace::bytes(ntensors); }
 
-inline cudaError_t prepare(const TensorLists<kAdam8bitDepth>& t, const Adam8bitConfig& cfg,
-                           void* workspace, cudaStream_t stream) {
-  return q8::prepare<AdamPrepare>(t, kQ8Step, cfg, workspace, stream);
+template <int BITS>
+cudaError_t prepare(const TensorLists<kAdam8bitDepth>& t, const Adam8bitConfig& cfg,
+                    void* workspace, cudaStream_t stream) {
+  return q8::prepare<AdamPrepare<BITS>>(t, kQ8Step, cfg, workspace, stream);
 }
 
 }  // namespace q8

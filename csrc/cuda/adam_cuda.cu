@@ -13,9 +13,10 @@ struct AdamPolicy {
   using Config = AdamConfig;
   using Scalars = AdamScalars;
   static constexpr int kStates = AMS ? 3 : 2;
-  // AMSGrad's scalar loop keeps 3 elements in flight (one more operand): within 64 registers
-  // without spilling.
-  static constexpr int kIlp = AMS ? 3 : 4;
+  // Elements in flight per thread in the scalar loop: AMSGrad (one more operand) keeps 3, and 2
+  // with the int8 master correction (kRemainder8), its widest operand set: within 64 registers
+  // without spilling (3 spilled 12 B there, ptxas 13.0, sm_80 and sm_90).
+  static constexpr int ilp(int mode) { return !AMS ? 4 : mode == kRemainder8 ? 2 : 3; }
 
   __device__ __forceinline__ static Scalars scalars(const Config& c, double lr, float grad_mult,
                                                     double t) {

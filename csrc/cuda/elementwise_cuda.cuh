@@ -6,7 +6,7 @@
 //   * found_inf > 0: every block leaves before touching anything (counters are advanced by
 //     increment_steps, which skips too);
 //   * 4-wide vectors when every operand of the chunk is aligned for them, else a scalar loop with
-//     kIlp elements in flight per thread (misaligned views, tails);
+//     P::ilp(mode) elements in flight per thread (misaligned views, tails);
 //   * master modes per dtype as cpu::pick_elementwise_chunk: fp32 params are their own master,
 //     fp16 keeps an fp32 master or none, bf16 takes every mode.
 //
@@ -14,7 +14,8 @@
 //   using Config;   a struct with `StepCommon common` (elementwise_step.h) and its hyperparameters
 //   using Scalars;  the per-tensor scalars of the shared per-element header
 //   static constexpr int kStates;  K, the fp32 state operands (kEwState, kEwState + 1, ...)
-//   static constexpr int kIlp;     elements in flight per thread in the scalar loop
+//   static constexpr int ilp(int mode);  elements in flight per thread in the scalar loop, per
+//                                  effective master mode (the widest operand sets take fewer)
 //   __device__ static Scalars scalars(const Config&, double lr, float grad_mult, double t);
 //   __device__ static void element(float& w, float g, float (&state)[Slots<K>], const Scalars&);
 // The per-element math stays in csrc/include/mpfused/*.h, shared with the CPU kernels.
@@ -120,7 +121,8 @@ __device__ __forceinline__ void range(const MtaChunk<kEwFixed + P::kStates>& c,
   // Tail, or the whole chunk when an operand is misaligned (offset views, e.g. DDP bucket
   // grads): kIlp elements 512 apart per thread, all loaded before any is computed, so a thread
   // keeps about as many loads in flight as the vector loop.
-  constexpr int kIlp = P::kIlp;
+  constexpr int kIlp = P::ilp(MODE);
+  static_assert(kIlp >= 1, "P::ilp: at least one element in flight");
   for (int64_t i0 = nv * V + threadIdx.x; i0 < c.n; i0 += int64_t(kBlockSize) * kIlp) {
     T pi[kIlp] = {}, gi[kIlp] = {};
     float si[kIlp][KS] = {};

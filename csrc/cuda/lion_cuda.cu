@@ -10,7 +10,7 @@ struct LionPolicy {
   using Config = LionConfig;
   using Scalars = LionScalars;
   static constexpr int kStates = 1;
-  static constexpr int kIlp = 4;
+  static constexpr int ilp(int /*mode*/) { return 4; }
 
   __device__ __forceinline__ static Scalars scalars(const Config& c, double lr, float grad_mult,
                                                     double /*t: no bias correction*/) {

@@ -60,6 +60,7 @@ struct PreparedOf<S, 0> {
 template <class P>
 struct OneStatePrepare {
   static constexpr int kMaps = 1;
+  static constexpr int kCodes = kQuantCodes;  // 8-bit codes
   using Config = typename P::Config;
   using Tensor = PreparedOf<typename P::Scalars>;
   static_assert(sizeof(typename P::Scalars) % 4 == 0 &&

@@ -1,6 +1,7 @@
 // What the block-wise 8-bit CUDA kernels (adam8bit_cuda.cu, one_state8bit_cuda.cuh) share: the
-// work split of a chunk into passes of 4-element vectors, the vector access helpers, the new
-// absmax (block max of |state| per quantization block) and the requantization of a vector.
+// work split of a chunk into passes of 4-element vectors, the vector access helpers (8-bit and
+// packed 4-bit codes), the new absmax (block max of |state| per quantization block) and the
+// requantization of a vector.
 #pragma once
 #include <stdint.h>
 
@@ -66,6 +67,60 @@ __device__ __forceinline__ void store_n(T* p, int e, int cnt, bool vec,
 #pragma unroll
     for (int j = 0; j < kVec; ++j)
       if (j < cnt) p[e + j] = in[j];
+  }
+}
+
+// ---- codes of a vector ------------------------------------------------------------------------
+// The codes of kVec elements from chunk element e (a multiple of kVec) of a BITS-bit state whose
+// chunk starts at byte c: BITS = 8, a byte each (load_n / store_n); BITS = 4, two per byte in
+// quant8_math.h's order (element 2k in the high nibble), kVec / 2 bytes at c + e / 2. Tails: the
+// first cnt elements; an odd cnt (a tensor's odd end) stores its last byte with a zero low
+// nibble, as the CPU kernel does.
+template <int BITS>
+struct Codes;
+template <>
+struct Codes<8> {
+  uint8_t v[kVec];
+  __device__ __forceinline__ int32_t operator[](int j) const { return v[j]; }
+};
+template <>
+struct Codes<4> {  // kept packed in one register: byte k of the vector in bits 8k .. 8k + 7
+  uint32_t w;
+  __device__ __forceinline__ int32_t operator[](int j) const {
+    return int32_t(w >> (8 * (j >> 1) + 4 * ((j & 1) ^ 1))) & 0xF;
+  }
+};
+static_assert(kVec == 4, "Codes<4>: the codes of a vector are two bytes");
+
+// `vec`: the 8-bit codes are one aligned 4-byte access. 4-bit codes are read as two bytes
+// whatever the alignment (one 2-byte access where aligned would be no fewer transactions per
+// warp, and its branch made ptxas 13.0 spill 76-124 B on sm_90 at the 64-register cap).
+template <int BITS>
+__device__ __forceinline__ Codes<BITS> load_codes(const uint8_t* c, int e, int cnt, bool vec) {
+  static_assert(BITS == 8 || BITS == 4, "8-bit or 4-bit codes");
+  Codes<BITS> out;
+  if constexpr (BITS == 8) {
+    load_n(c, e, cnt, vec, out.v);
+  } else {
+    out.w = uint32_t(c[e / 2]) | (cnt > 2 ? uint32_t(c[e / 2 + 1]) << 8 : 0u);
+  }
+  return out;
+}
+
+// `vec`: the codes are one aligned access of kVec * BITS / 8 bytes.
+template <int BITS>
+__device__ __forceinline__ void store_codes(uint8_t* c, int e, int cnt, bool vec,
+                                            const uint8_t* in) {
+  static_assert(BITS == 8 || BITS == 4, "8-bit or 4-bit codes");
+  if constexpr (BITS == 8) {
+    store_n(c, e, cnt, vec, in);
+  } else if (vec && cnt >= kVec) {
+    *reinterpret_cast<uint16_t*>(c + e / 2) =
+        uint16_t(quant4_pack(in[0], in[1]) | (uint32_t(quant4_pack(in[2], in[3])) << 8));
+  } else {
+#pragma unroll
+    for (int j = 0; j < kVec / 2; ++j)
+      if (2 * j < cnt) c[e / 2 + j] = quant4_pack(in[2 * j], 2 * j + 1 < cnt ? in[2 * j + 1] : 0);
   }
 }
 
@@ -135,13 +190,16 @@ __device__ __forceinline__ void qmax_finish(QMax<S>& r, int B) {
 // ---- requantize ------------------------------------------------------------------------------
 // The codes of kVec parked fp32 states x scaled by r = quant8_inv_scale(absmax), searched in the
 // thresholds `eyt` (Eytzinger order): the CPU's codes. SIGNED: bitsandbytes' sign rule of a
-// signed map's state (zc: the map's +0 code).
-template <bool SIGNED>
+// signed map's state (zc: the map's +0 code; 8-bit only). BITS = 4: thresholds of a 16-entry
+// map padded with +inf, searched from node 16 (quant4_encode_eytzinger, the same code).
+template <bool SIGNED, int BITS = 8>
 __device__ __forceinline__ void encode_n(const float* eyt, const VecN<float, kVec>& x, float r,
                                          int32_t zc, uint8_t* out) {
+  static_assert(BITS == 8 || !SIGNED, "4-bit codes have no sign rule");
 #pragma unroll
   for (int j = 0; j < kVec; ++j) {
-    const int32_t q = quant8_encode_eytzinger(eyt, x.v[j] * r);
+    const int32_t q = BITS == 8 ? quant8_encode_eytzinger(eyt, x.v[j] * r)
+                                : quant4_encode_eytzinger(eyt, x.v[j] * r);
     out[j] = uint8_t(SIGNED ? quant8_keep_negative(q, x.v[j], zc) : q);
   }
 }

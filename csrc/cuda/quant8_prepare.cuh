@@ -5,8 +5,10 @@
 //
 //   maps      block 0 of the first launch, one thread per map entry: the 255 decision thresholds
 //             (quant8_threshold) of each map in Eytzinger order, the map checks and the +0 code
-//             of map 0, the signed one (-1 when a map is unusable: the main kernel then poisons
-//             absmax).
+//             of map 0, the signed one, and whether the maps are usable (valid; 0: the main
+//             kernel poisons absmax). A 16-entry (4-bit) map's 15 thresholds are padded with +inf
+//             to 255 (quant8_thresholds' rule), so the 8-bit searches return its nearest code;
+//             it needs no +0 (no sign rule).
 //   tensors   one thread per tensor: the policy's per-tensor record (the algorithm's scalars and
 //             the stochastic-rounding seed) from its device step counter, lr, grad_scale, norm_sq.
 //
@@ -18,6 +20,7 @@
 //
 // A prepare policy P supplies
 //   static constexpr int kMaps;  the maps (1 or 2; map 0 is the signed one)
+//   static constexpr int kCodes; entries per map: 256 (8-bit codes) or 16 (4-bit codes)
 //   using Config;                the kernel's config (by value in the launch)
 //   using Tensor;                the per-tensor record, every byte a member (initcheck)
 //   __device__ static bool skipped(const Config&);      found_inf > 0
@@ -37,8 +40,11 @@ namespace q8 {
 template <int NM>
 struct alignas(16) PreparedMaps {
   float eyt[NM][kQuantCodes];  // thresholds in Eytzinger order (eyt[.][0] = +inf, never searched)
-  int32_t zero_code;           // the +0 code of map 0 (> 0), or -1: a map is unsorted / lacks it
-  int32_t pad[3];
+  // 256-entry maps: the +0 code of map 0 (> 0), or -1: a map is unsorted / lacks it.
+  // 16-entry maps: 0, unused (no sign rule).
+  int32_t zero_code;
+  int32_t valid;  // 1: the maps are usable (sorted; 256 entries: with +0 in map 0), else 0
+  int32_t pad[2];
 };
 
 // The workspace: the maps, then one Tensor record per packed tensor (index MtaChunk::tensor).
@@ -68,38 +74,46 @@ __device__ __forceinline__ float prepared_grad_mult(const float* grad_scale, con
   return grad_mult;
 }
 
-// All kBlockSize threads of one block: thread t owns entry t % 256 of map t / 256; threads past
-// the maps only vote.
+// All kBlockSize threads of one block: thread t owns threshold slot t % 256 of map t / 256 (and
+// reads entry t % 256 when the map has it); threads past the maps only vote.
 template <class P>
 __device__ __forceinline__ void prepare_maps(const typename P::Config& cfg,
                                              PreparedMaps<P::kMaps>& out) {
-  constexpr int NM = P::kMaps;
-  static_assert(NM * kQuantCodes <= kBlockSize, "one thread per map entry");
+  constexpr int NM = P::kMaps, NC = P::kCodes;
+  static_assert(NM * kQuantCodes <= kBlockSize, "one thread per threshold slot");
+  static_assert(NC == kQuantCodes || NC == kQuant4Codes, "8-bit or 4-bit maps");
+  constexpr bool kSignRule = NC == kQuantCodes;  // 4-bit: nearest code, no +0 needed
   const int tid = int(threadIdx.x);
   const int i = tid % kQuantCodes, mi = tid / kQuantCodes;
   bool ok = true, plus_zero = false;
   if (mi < NM) {
     const float* map = P::map(cfg, mi == 0 ? 0 : NM - 1);
     float* eyt = out.eyt[mi == 0 ? 0 : NM - 1];
-    const float a = map[i];
-    if (i + 1 < kQuantCodes) {
-      const float b = map[i + 1];
-      eyt[quant8_eytzinger_node(i)] = quant8_threshold(a, b);
-      ok = a < b;  // false for NaN too
-    } else {
-      eyt[0] = INFINITY;
+    if (i < NC) {  // a 16-entry map is read at its 16 entries only
+      const float a = map[i];
+      if (i + 1 < NC) {
+        const float b = map[i + 1];
+        eyt[quant8_eytzinger_node(i)] = quant8_threshold(a, b);
+        ok = a < b;  // false for NaN too
+      }
+      // +0 of map 0 above index 0 (the sign rule needs a code below it).
+      plus_zero = kSignRule && mi == 0 && i > 0 && a == 0.f && (f32_bits(a) >> 31) == 0u;
     }
-    // +0 of map 0 above index 0 (the sign rule needs a code below it).
-    plus_zero = mi == 0 && i > 0 && a == 0.f && (f32_bits(a) >> 31) == 0u;
+    if (i + 1 >= NC)  // the padding (quant8_thresholds): slot 255 is eyt[0], never searched
+      eyt[i + 1 < kQuantCodes ? quant8_eytzinger_node(i) : 0] = INFINITY;
   }
   const bool sorted = __syncthreads_and(int(ok)) != 0;
-  const bool has_zero = __syncthreads_or(int(plus_zero)) != 0;
-  if (sorted && has_zero) {
+  const bool has_zero = !kSignRule || __syncthreads_or(int(plus_zero)) != 0;  // uniform
+  const bool valid = sorted && has_zero;
+  if (!kSignRule) {
+    if (tid == 0) out.zero_code = 0;
+  } else if (valid) {
     if (plus_zero) out.zero_code = i;  // one writer: a sorted map holds one +0
   } else if (tid == 0) {
     out.zero_code = -1;
   }
-  if (tid < 3) out.pad[tid] = 0;
+  if (tid == 0) out.valid = int32_t(valid);
+  if (tid < 2) out.pad[tid] = 0;
 }
 
 // Launch parameters: up to N step counters (448 fit 4 KB with the config, 3,584 fit 32 KB).

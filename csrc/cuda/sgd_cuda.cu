@@ -12,7 +12,7 @@ struct SgdPolicy {
   using Config = SgdConfig;
   using Scalars = SgdScalars;
   static constexpr int kStates = MOMENTUM ? 1 : 0;
-  static constexpr int kIlp = 4;
+  static constexpr int ilp(int /*mode*/) { return 4; }
 
   __device__ __forceinline__ static Scalars scalars(const Config& c, double lr, float grad_mult,
                                                     double t) {

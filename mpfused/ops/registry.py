@@ -11,11 +11,17 @@ Dispatch model: one router, torch's dispatcher
 * ``router.route_all`` (at ``import mpfused``) then decides once, per op and dispatch key, what
   ``torch.ops.mpfused.<op>`` runs: native, else Triton on CUDA (registered as the CUDA kernel),
   else the reference; ``MPFUSED_BACKEND`` (read then, once) forces one. See ``router.py``.
-* ``op(*args)`` is the dispatcher op: what the optimizers run is what ``opcheck`` checks and what
-  ``torch.compile`` traces. ``op(*args, backend=...)`` (the per-object ``backend=`` of the
-  optimizers, the scaler, ``clip_grad_norm_``) is an explicit test/debug request: it calls that
-  implementation directly (native: only where the router registered it), and raises when it is
-  unavailable.
+* Every schema takes its operands (tensor lists, operand tensors) positionally and every scalar,
+  option and optional tensor after ``*`` (keyword-only), as torch's ``_fused_adamw_``. Each op has
+  one typed wrapper beside its schema (``mpfused/ops/<family>.py``, registered with ``op.wraps``):
+  the entry the package calls, with a docstring, the schema's parameter names and ``backend=``.
+* ``op(*operands, **scalars)`` is the dispatcher op: what the optimizers run is what ``opcheck``
+  checks and what ``torch.compile`` traces. ``op(..., backend=...)`` (the per-object ``backend=``
+  of the optimizers, the scaler, ``clip_grad_norm_``) is an explicit test/debug request: it calls
+  that implementation directly (native: only where the router registered it), and raises when it
+  is unavailable. The reference and Triton functions take the schema's keyword names (the
+  dispatcher passes keyword-only arguments to Python kernels as keywords, leaving out those equal
+  to their default).
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ NAMESPACE = "mpfused"
 BACKENDS = router.BACKENDS
 _LIB = torch.library.Library(NAMESPACE, "DEF")
 OPS: dict[str, "Op"] = {}
+REQUIRED = object()  # Op.keyword_args: a keyword-only argument without a default
 
 
 def triton_usable(device_type: str) -> bool:
@@ -56,8 +63,25 @@ class Op:
     triton_path: str | None = None  # "module:function", imported on first use
     routes: dict = field(default_factory=dict, repr=False)  # device type -> what torch.ops runs
     native_keys: dict = field(default_factory=dict, repr=False)  # device type -> extension kernel?
+    wrapper: Callable | None = field(default=None, repr=False)  # the typed entry (op.wraps)
     _overload: object = field(default=None, repr=False)
     _triton_fn: Callable | None = field(default=None, repr=False)
+
+    def wraps(self, fn: Callable) -> Callable:
+        """Register ``fn`` as the op's typed wrapper (``fn.op`` is this op) and return it."""
+        self.wrapper = fn
+        fn.op = self
+        return fn
+
+    @functools.cached_property
+    def keyword_args(self) -> tuple:
+        """The keyword-only arguments in schema order: (name, default or REQUIRED) pairs."""
+        out = []
+        for a in torch._C.parse_schema(self.schema).arguments:
+            if a.kwarg_only:
+                default = a.default_value if a.has_default_value() else REQUIRED
+                out.append((a.name, tuple(default) if isinstance(default, list) else default))
+        return tuple(out)
 
     @property
     def triton(self) -> Callable | None:
@@ -114,20 +138,20 @@ class Op:
         return {"native": self.overload, "triton": self.triton,
                 "reference": self.reference}[backend]
 
-    def __call__(self, *args, backend: str | None = None):
+    def __call__(self, *args, backend: str | None = None, **kwargs):
         if backend is None or backend == "auto":
-            return self.overload(*args)
+            return self.overload(*args, **kwargs)
         if backend == "native" or not torch.compiler.is_compiling():
-            return self.impl(backend, _first_device_type(args))(*args)
-        return _run_eagerly(self, backend, args)
+            return self.impl(backend, _first_device_type(args))(*args, **kwargs)
+        return _run_eagerly(self, backend, args, kwargs)
 
 
 @torch.compiler.disable
-def _run_eagerly(op: "Op", backend: str, args):
+def _run_eagerly(op: "Op", backend: str, args, kwargs):
     """An explicit Triton/reference request under ``torch.compile`` runs eagerly behind a graph
     break: traced, its Python would be re-fused by the compiler and round differently from the
     eager step (the dispatcher op, the default, needs no break: it is one opaque node)."""
-    return op.impl(backend, _first_device_type(args))(*args)
+    return op.impl(backend, _first_device_type(args))(*args, **kwargs)
 
 
 def _first_device_type(args) -> str:

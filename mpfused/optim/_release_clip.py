@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from mpfused.ops import amp as amp_ops
+
 
 class PreviousNormClip:
     def __init__(self, optimizer):
@@ -37,6 +39,20 @@ class PreviousNormClip:
         self._seen = torch.zeros((), dtype=torch.float32, device=device)
         self._unseen_prev = self._prev.sum()
 
+    def check_and_estimate(self, grad_lists, ids, found, inv_scale, found_total, skipped,
+                           backend=None) -> torch.Tensor:
+        """A release bucket's check (one check op per planner bucket, ``grad_lists``, in the
+        order of ``ids``: each grad's sum of squares, the non-finite flag ``found``, recorded as
+        ``check_and_record`` does) and then the squared norm it clips with."""
+        found.zero_()
+        sqs = []
+        for grads in grad_lists:
+            sqs.append(torch.zeros(len(grads), dtype=torch.float32, device=found.device))
+            amp_ops.check_grads(grads, found, inv_scale, norm_sq_per_tensor=sqs[-1], backend=backend)
+        torch.maximum(found_total, found, out=found_total)
+        skipped.add_((found > 0).to(skipped.device))
+        return self.norm_sq_for(ids, torch.cat(sqs).to(ids.device), found)
+
     def norm_sq_for(self, ids: torch.Tensor, per_param_sq: torch.Tensor, found) -> torch.Tensor:
         """The squared norm a release bucket clips with. ``ids``: its params' flat positions;
         ``per_param_sq``: their sums of squares (unscaled grads); ``found``: its non-finite flag."""
@@ -46,6 +62,14 @@ class PreviousNormClip:
         self._seen = self._seen + sq.sum()
         self._unseen_prev = self._unseen_prev - self._prev.index_select(0, ids).sum()
         return self._seen + self._unseen_prev.clamp(min=0)  # (rounding can leave it at -eps)
+
+    def grow(self, n: int) -> None:
+        """n params appended (a param group added): their previous sums are zero."""
+        self._n += n
+        for name in ("_cur", "_prev"):
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, torch.cat([t, t.new_zeros(n)]))
 
     def state_dict(self) -> dict:
         cur = self._cur if self._cur is not None else torch.zeros(self._n)

@@ -97,15 +97,16 @@ class AdamW(FusedOptimizer):
             s["masters"], s["steps"]], s["param_ids"], s["elem_offsets"])
 
     # ---- step -------------------------------------------------------------------------------
-    def _hyper(self, group, device) -> tuple:
+    def _hyper(self, group, device) -> dict:
         return _hyper(group, device)
 
     def _launch(self, b, grads, group, hyper, scaling) -> None:
-        """One fused kernel call for a bucket: (lr, lr_tensor, betas, eps, weight_decay) in
-        `hyper`, (grad_scale, found_inf, norm_sq, max_grad_norm, seed) in `scaling`."""
-        b.state["step_"](grads, *hyper, bool(group["amsgrad"]), bool(group["maximize"]),
-                         bool(group["decoupled_weight_decay"]), b.state["mode"], *scaling,
-                         backend=self._backend)
+        """One fused kernel call for a bucket: lr, lr_tensor, beta1, beta2, eps, weight_decay in
+        `hyper`, grad_scale, found_inf, norm_sq, max_grad_norm, seed in `scaling` (keywords)."""
+        b.state["step_"](grads, **hyper, amsgrad=bool(group["amsgrad"]),
+                         maximize=bool(group["maximize"]),
+                         decoupled=bool(group["decoupled_weight_decay"]),
+                         master_mode=b.state["mode"], **scaling, backend=self._backend)
 
 
 class Adam(AdamW):
@@ -118,12 +119,14 @@ class Adam(AdamW):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, **kwargs)
 
 
-def _hyper(group, device) -> tuple:
-    """(lr, lr_tensor, beta1, beta2, eps, weight_decay) as the ops take them: a tensor lr is read
-    on the device by the kernel, a float one passed as a scalar."""
+def _hyper(group, device) -> dict:
+    """lr, lr_tensor, beta1, beta2, eps, weight_decay as the ops take them (keywords): a tensor
+    lr is read on the device by the kernel, a float one passed as a scalar."""
     lr = group["lr"]
     beta1, beta2 = group["betas"]
     tensor_lr = isinstance(lr, torch.Tensor)
-    return (0.0 if tensor_lr else float(lr), copy_to(lr, device) if tensor_lr else None,
-            float(beta1), float(beta2), float(group["eps"]), float(group["weight_decay"]))
+    return dict(lr=0.0 if tensor_lr else float(lr),
+                lr_tensor=copy_to(lr, device) if tensor_lr else None, beta1=float(beta1),
+                beta2=float(beta2), eps=float(group["eps"]),
+                weight_decay=float(group["weight_decay"]))
 

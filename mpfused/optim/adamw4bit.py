@@ -42,7 +42,7 @@ __all__ = ["AdamW4bit", "Adam4bit", "keep_32bit_state"]
 class AdamW4bit(State8bit, AdamW):
     _QUANT_STATES = (("exp_avg", "signed"), ("exp_avg_sq", "unsigned"))
     _STATE_BITS = 4
-    _OP_8BIT = adam4bit_ops.adam4bit_step_
+    _OP_8BIT = adam4bit_ops.adam4bit_step_.op
     _TORCH_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach",
                          "capturable", "differentiable", "fused")
 
@@ -70,8 +70,9 @@ class AdamW4bit(State8bit, AdamW):
         if group.get("amsgrad"):
             raise ValueError(f"{where} amsgrad=True is not supported; use mpfused.AdamW")
 
-    def _flags_8bit(self, group) -> tuple:
-        return bool(group["maximize"]), bool(group["decoupled_weight_decay"])
+    def _flags_8bit(self, group) -> dict:
+        return dict(maximize=bool(group["maximize"]),
+                    decoupled=bool(group["decoupled_weight_decay"]))
 
     def _torch_group(self, g) -> dict:
         return {**super()._torch_group(g), "amsgrad": False,

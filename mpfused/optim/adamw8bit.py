@@ -33,7 +33,7 @@ __all__ = ["AdamW8bit", "Adam8bit", "keep_32bit_state", "BLOCK_SIZES", "FORMAT_V
 
 class AdamW8bit(State8bit, AdamW):
     _QUANT_STATES = (("exp_avg", "signed"), ("exp_avg_sq", "unsigned"))
-    _OP_8BIT = adam8bit_ops.adam8bit_step_
+    _OP_8BIT = adam8bit_ops.adam8bit_step_.op
     _TORCH_GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "foreach",
                          "capturable", "differentiable", "fused")
 
@@ -59,8 +59,9 @@ class AdamW8bit(State8bit, AdamW):
             raise ValueError(f"{where} amsgrad=True is not supported (as bitsandbytes); use "
                              "mpfused.AdamW")
 
-    def _flags_8bit(self, group) -> tuple:
-        return bool(group["maximize"]), bool(group["decoupled_weight_decay"])
+    def _flags_8bit(self, group) -> dict:
+        return dict(maximize=bool(group["maximize"]),
+                    decoupled=bool(group["decoupled_weight_decay"]))
 
     def _torch_group(self, g) -> dict:
         return {**super()._torch_group(g), "amsgrad": False,

@@ -70,7 +70,22 @@ class FusedOptimizer(Optimizer):
 
     def add_param_group(self, param_group) -> None:
         super().add_param_group(param_group)
-        params = self.param_groups[-1]["params"]
+        try:
+            self._check_new_group(self.param_groups[-1])
+        except ValueError as e:
+            self.param_groups.pop()  # nothing of the rejected group stays
+            raise ValueError(f"mpfused.{type(self).__name__}: {e}") from None
+        if self._grad_release is not None:  # gradient release attached: hooks for its params
+            try:
+                self._grad_release.add_group(len(self.param_groups) - 1)
+            except (ValueError, NotImplementedError):
+                self.param_groups.pop()  # refused by release: nothing of it stays
+                raise
+
+    def _check_new_group(self, group) -> None:
+        """ValueError naming the rule a new group breaks (a subclass adds its own rules and
+        defaults: State8bit)."""
+        params = group["params"]
         error = None
         if len({id(p) for p in params}) != len(params):
             error = ("a parameter appears twice in one param group; each param must appear once "
@@ -82,8 +97,7 @@ class FusedOptimizer(Optimizer):
                 error = (f"params of one param group must be on one device: params[{i}] is on "
                          f"{p.device}, params[0] on {params[0].device}")
         if error:
-            self.param_groups.pop()  # nothing of the rejected group stays
-            raise ValueError(f"mpfused.{type(self).__name__}: {error}")
+            raise ValueError(error)
 
     # ---- hooks and pickling ------------------------------------------------------------------
     # Beyond torch's defaults/state/param_groups, a pickled (or deep-copied) optimizer keeps these.
@@ -262,12 +276,13 @@ class FusedOptimizer(Optimizer):
         """The bucket's state lists and its bound op, ``b.state["step_"]``."""
         raise NotImplementedError(f"{type(self).__name__} must define _fill_operands")
 
-    def _hyper(self, group, device) -> tuple:
-        """The group's scalars as the op takes them (a tensor lr on ``device``)."""
+    def _hyper(self, group, device) -> dict:
+        """The group's scalars as the op takes them, by keyword (a tensor lr on ``device``)."""
         raise NotImplementedError(f"{type(self).__name__} must define _hyper")
 
     def _launch(self, b, grads, group, hyper, scaling) -> None:
-        """One op call for bucket ``b``."""
+        """One op call for bucket ``b``: ``hyper`` (``_hyper``) and ``scaling`` (grad_scale,
+        found_inf, norm_sq, max_grad_norm, seed) are keyword dicts."""
         raise NotImplementedError(f"{type(self).__name__} must define _launch")
 
     # ---- step -------------------------------------------------------------------------------
@@ -316,8 +331,9 @@ class FusedOptimizer(Optimizer):
                 dev = b.state["local_params"][0].device
                 self._launch(b, b.take(grads), group,
                              self._hyper(group, dev),
-                             (_on(grad_scale, dev), _on(found_inf, dev), _on(norm_sq, dev),
-                              float(self.max_grad_norm or 0.0), self._seed))
+                             dict(grad_scale=_on(grad_scale, dev), found_inf=_on(found_inf, dev),
+                                  norm_sq=_on(norm_sq, dev),
+                                  max_grad_norm=float(self.max_grad_norm or 0.0), seed=self._seed))
         return loss
 
     def _own_norm(self, all_grads, grad_scale, found_inf, one_device: bool = False):

@@ -66,14 +66,15 @@ class Lion(FusedOptimizer):
                                                    s["masters"], s["steps"]],
                              s["param_ids"], s["elem_offsets"])
 
-    def _hyper(self, group, device) -> tuple:
-        """(lr, lr_tensor, beta1, beta2, weight_decay) as lion_step_ takes them."""
+    def _hyper(self, group, device) -> dict:
+        """lr, lr_tensor, beta1, beta2, weight_decay as lion_step_ takes them (keywords)."""
         lr = group["lr"]
         beta1, beta2 = group["betas"]
         tensor_lr = isinstance(lr, Tensor)
-        return (0.0 if tensor_lr else float(lr), copy_to(lr, device) if tensor_lr else None,
-                float(beta1), float(beta2), float(group["weight_decay"]))
+        return dict(lr=0.0 if tensor_lr else float(lr),
+                    lr_tensor=copy_to(lr, device) if tensor_lr else None, beta1=float(beta1),
+                    beta2=float(beta2), weight_decay=float(group["weight_decay"]))
 
     def _launch(self, b, grads, group, hyper, scaling) -> None:
-        b.state["step_"](grads, *hyper, bool(group["maximize"]), b.state["mode"], *scaling,
-                         backend=self._backend)
+        b.state["step_"](grads, **hyper, maximize=bool(group["maximize"]),
+                         master_mode=b.state["mode"], **scaling, backend=self._backend)

@@ -26,7 +26,7 @@ __all__ = ["Lion8bit"]
 
 class Lion8bit(State8bit, Lion):
     _QUANT_STATES = (("exp_avg", "signed"),)
-    _OP_8BIT = lion8bit_ops.lion8bit_step_
+    _OP_8BIT = lion8bit_ops.lion8bit_step_.op
 
     def __init__(self, params, lr: float | Tensor = 1e-4, betas=(0.9, 0.99),
                  weight_decay: float = 0.0, *, block_size: int = 256, min_8bit_size: int = 4096,
@@ -39,8 +39,8 @@ class Lion8bit(State8bit, Lion):
                          backend=backend, seed=seed, foreach=foreach, fused=fused,
                          differentiable=differentiable)
 
-    def _flags_8bit(self, group) -> tuple:
-        return (bool(group["maximize"]),)
+    def _flags_8bit(self, group) -> dict:
+        return dict(maximize=bool(group["maximize"]))
 
     def _bnb_group(self, gi, group) -> dict:
         return {"betas": tuple(float(b) for b in group["betas"]), "eps": 0.0,

@@ -17,10 +17,13 @@ Rules (README, "Gradient release"):
 * Gradient accumulation: backward passes under ``with release.accumulate():`` keep their grads;
   the next backward outside it steps with the accumulated grads and frees them (exact).
 * Non-finite grads: every release bucket (``bucket_bytes`` of params adjacent in backward order;
-  under DDP, DDP's bucket) is checked before its update (read-only pass, no host sync); a bucket
+  under DDP, DDP's bucket) is checked before its update (read-only pass, no host sync; in the
+  same native call as the bucket's first update launch where the native kernels serve); a bucket
   with an inf/NaN is not updated at all (params, masters, state, step counts untouched), the
   other buckets are. All-or-nothing is impossible once earlier buckets have stepped;
   ``release.skipped`` counts the skipped buckets of the last backward (a device tensor).
+* ``optimizer.add_param_group`` after attaching: the new group is released too (its release
+  buckets and hooks are made then; under DDP its params must be the DDP model's).
 * Clipping by the global norm cannot be known before the first update: ``max_grad_norm`` is
   refused unless ``clip="previous"``: each release bucket clips with the norm of this step's
   grads released so far (its own included) plus the previous step's norm of the grads not
@@ -38,12 +41,14 @@ Rules (README, "Gradient release"):
 from __future__ import annotations
 
 import contextlib
+import operator
 import threading
 from collections import defaultdict
+from itertools import repeat
 
 import torch
 
-from mpfused.ops import amp as amp_ops
+from mpfused.ops.bound import BoundOp, check_and_record
 from mpfused.optim._release_clip import PreviousNormClip
 from mpfused.optim._state_table import epoch as state_epoch, tracked
 
@@ -67,12 +72,13 @@ def step_in_backward(optimizer, *, scaler=None, bucket_bytes: int = DEFAULT_BUCK
 
 class _Chunk:
     """Params of one group, adjacent in backward order, whose grads add up to ~bucket_bytes."""
-    __slots__ = ("group_index", "indices", "ready")
+    __slots__ = ("group_index", "indices", "ready", "order")
 
     def __init__(self, group_index: int):
         self.group_index = group_index
         self.indices: list[int] = []
         self.ready: set[int] = set()
+        self.order: tuple = ()  # the indices sorted: the ready set of a full chunk
 
 
 class GradRelease:
@@ -112,15 +118,15 @@ class GradRelease:
         self._chunk_of: dict[int, tuple[_Chunk, int]] = {}  # id(param) -> (chunk, index)
         self._chunks: list[_Chunk] = []
         self._in_backward = False
-        self._found: dict[torch.device, torch.Tensor] = {}
+        self._found: dict[torch.device, torch.Tensor] = {}  # the backward's flag per device
+        self._flags: dict = {}  # device -> _flags_on's tuple, for this backward
+        self._bucket_found: dict[torch.device, torch.Tensor] = {}  # reused by every bucket
         self._clip = PreviousNormClip(optimizer) if clip == "previous" else None
         self._group_base = [0]  # flat position of each group's first param (for the clip)
         for g in optimizer.param_groups:
             self._group_base.append(self._group_base[-1] + len(g["params"]))
-        self._clip_ids: dict[tuple, torch.Tensor] = {}  # plan key -> its params' flat positions
         self._epoch = self._state_obj = None
-        self._plans: dict[tuple, object] = {}  # (group index, ready indices) -> GroupPlan
-        self._slots: dict[int, list] = {}  # group index -> its grad list (see _step_ready)
+        self._entries: dict[tuple, _Entry] = {}  # (group index, ready indices) -> its update
         self._ddp, self._lock = ddp, threading.Lock()
         if ddp is None:
             self._make_chunks()
@@ -129,8 +135,10 @@ class GradRelease:
         optimizer._grad_release = self
 
     # ---- set-up -----------------------------------------------------------------------------
-    def _make_chunks(self) -> None:
-        for gi, group in enumerate(self.optimizer.param_groups):
+    def _make_chunks(self, groups=None) -> None:
+        """Release buckets of the groups ``groups`` (indices; default all) and their hooks."""
+        for gi in range(len(self.optimizer.param_groups)) if groups is None else groups:
+            group = self.optimizer.param_groups[gi]
             chunk, size = None, 0
             # reverse registration order: roughly the order the backward completes grads (DDP)
             for i in reversed(range(len(group["params"]))):
@@ -146,6 +154,7 @@ class GradRelease:
                     chunk, size = _Chunk(gi), 0
                     self._chunks.append(chunk)
                 chunk.indices.append(i)
+                chunk.order = tuple(sorted(chunk.indices))
                 size += nbytes
                 self._chunk_of[id(p)] = (chunk, i)
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
@@ -156,6 +165,27 @@ class GradRelease:
         if any(hasattr(p, "to_local") for p in ddp.parameters()):
             raise NotImplementedError("step_in_backward: DTensor params under DDP")
         ddp.register_comm_hook(None, self._ddp_comm_hook)  # DDP allows one, before training
+
+    def add_group(self, group_index: int) -> None:
+        """``optimizer.add_param_group`` after attaching (called by it): the new group gets its
+        release buckets and hooks (under DDP: its params are looked up in DDP's buckets, so they
+        must be the DDP model's), and clip='previous' a zero previous sum for each new param."""
+        params = self.optimizer.param_groups[group_index]["params"]
+        if self._ddp is not None:
+            known = {id(p) for p in self._ddp.parameters()}
+            if not all(id(p) in known for p in params):
+                raise ValueError("step_in_backward(ddp=...): a param group added after "
+                                 "attaching must hold params of the DistributedDataParallel "
+                                 "model (its grads are released from DDP's buckets)")
+            self._where.update({id(p): (group_index, i) for i, p in enumerate(params)})
+        else:
+            if any(hasattr(p, "to_local") for p in params):
+                raise NotImplementedError("step_in_backward: DTensor (FSDP2) params are not "
+                                          "supported")
+            self._make_chunks([group_index])
+        self._group_base.append(self._group_base[-1] + len(params))
+        if self._clip is not None:
+            self._clip.grow(len(params))
 
     def remove(self) -> None:
         """Detach: hooks removed, ``opt.step()`` steps again (under DDP the communication hook
@@ -240,11 +270,11 @@ class GradRelease:
                 by_group[self._where[id(p)][0]].append((self._where[id(p)][1], g))
         for gi, items in by_group.items():
             items.sort(key=lambda item: item[0])
-            self._step_ready(gi, tuple(i for i, _ in items), [g for _, g in items])
+            self._update(gi, tuple(i for i, _ in items), [g for _, g in items])
 
     def _start_backward(self, device, queue_end: bool = True) -> None:
         self._in_backward, self._pending = True, False
-        self._found = {}
+        self._found, self._flags = {}, {}
         self.skipped = torch.zeros((), dtype=torch.int32, device=device)
         if self._clip is not None:
             self._clip.start(device)
@@ -258,83 +288,105 @@ class GradRelease:
                 self._release(chunk)
         self._in_backward = False
 
-    @torch.no_grad()
     def _release(self, chunk: _Chunk) -> None:
         params = self.optimizer.param_groups[chunk.group_index]["params"]
-        ready = tuple(i for i in sorted(chunk.ready) if params[i].grad is not None)
+        ready = chunk.order if len(chunk.ready) == len(chunk.order) else tuple(sorted(chunk.ready))
         chunk.ready = set()
-        if ready:  # (a grad set to None by a later hook is not stepped)
-            self._step_ready(chunk.group_index, ready, [params[i].grad for i in ready])
+        grads = [params[i].grad for i in ready]
+        if any(map(operator.is_, grads, repeat(None))):  # set to None by a later hook: not stepped
+            ready = tuple(i for i, g in zip(ready, grads) if g is not None)
+            grads = [g for g in grads if g is not None]
+        if ready:
+            with torch.no_grad():
+                self._update(chunk.group_index, ready, grads)
             for i in ready:
                 params[i].grad = None
 
-    def _step_ready(self, group_index: int, ready: tuple, ready_grads: list) -> None:
+    def _update(self, group_index: int, ready: tuple, ready_grads: list) -> None:
         """Check and update the params ``group["params"][i] for i in ready`` with these grads:
-        one read-only check pass and one update launch per (device, dtype, state kind)."""
+        one decision for all of them (the release bucket is the unit that is skipped, however
+        the planner splits it by dtype and state kind), one update launch per planner bucket.
+        Without clipping the check is part of the first launch (``BoundOp.check_first``: one
+        native call); with clip='previous' its per-grad sums of squares come first."""
+        entry = self._entry(group_index, ready, ready_grads)
+        if not entry.parts:
+            return
         opt = self.optimizer
         group = opt.param_groups[group_index]
-        # The planner indexes a group-length grad list: one per group, kept, in which only this
-        # bucket's slots are filled (a new list per bucket would cost O(group) per bucket).
-        grads = self._slots.get(group_index)
-        if grads is None or len(grads) != len(group["params"]):
-            grads = self._slots[group_index] = [None] * len(group["params"])
-        for i, g in zip(ready, ready_grads):
-            grads[i] = g
-        try:
-            self._update(group, group_index, ready, grads)
-        finally:
-            for i in ready:
-                grads[i] = None
-
-    def _update(self, group, group_index: int, ready: tuple, grads: list) -> None:
-        opt = self.optimizer
-        plan = self._plan_for(group_index, ready, grads)
-        # One decision for all of them (the release bucket is the unit that is skipped, however
-        # the planner splits it by dtype and state kind): the flags combined with MAX.
-        checked = []
-        for b in plan.buckets:
-            gs = b.take(grads)
-            dev = b.state["local_params"][0].device
-            checked.append((b, gs, dev) + self._check(gs, dev))
-        if not checked:
-            return
-        found = checked[0][3]
-        for _, _, _, f, _ in checked[1:]:
-            found = torch.maximum(found, f.to(found.device))
+        scale, inv, found, total = self._flags_on(entry.device)
+        parts = [(b, list(pick(ready_grads)[:-1])) for b, pick in entry.parts]
         clip_sq = None
-        if self._clip is not None:  # one norm for the release bucket, from all its parts
-            sq = torch.cat([c[4].to(self.skipped.device) for c in checked])
-            clip_sq = self._clip.norm_sq_for(self._ids_of(group_index, ready, plan), sq, found)
-        for b, gs, dev, _, _ in checked:
-            opt._launch(b, gs, group, opt._hyper(group, dev),
-                        (self._scale_on(dev), found.to(dev),
-                         None if clip_sq is None else clip_sq.to(dev),
-                         float(opt.max_grad_norm or 0.0), opt._seed))
-        self._record(found)
+        if self._clip is None:
+            first = parts[0][0].state.get("step_")
+            if isinstance(first, BoundOp):
+                first.check_first(ready_grads, found, inv, total, self.skipped)
+            else:  # an optimizer whose buckets do not launch through a BoundOp
+                first = None
+                check_and_record(ready_grads, found, inv, total, self.skipped,
+                                 backend=opt._backend)
+        else:  # one norm for the release bucket, from all its parts' sums of squares
+            first = None
+            clip_sq = self._clip.check_and_estimate([gs for _, gs in parts], entry.clip_ids,
+                                                    found, inv, total, self.skipped, opt._backend)
+        scaling = dict(grad_scale=scale, found_inf=found, norm_sq=clip_sq,
+                       max_grad_norm=float(opt.max_grad_norm or 0.0), seed=opt._seed)
+        try:
+            hyper = opt._hyper(group, entry.device)
+            for b, gs in parts:
+                opt._launch(b, gs, group, hyper, scaling)
+        finally:
+            if first is not None:
+                first._pre = None  # (consumed by the first launch unless it failed before)
 
-    def _ids_of(self, group_index: int, ready: tuple, plan) -> torch.Tensor:
-        """Flat positions of the plan's params, in the order its buckets check them."""
-        ids = self._clip_ids.get((group_index, ready))
-        if ids is None:
-            base = self._group_base[group_index]
-            ids = self._clip_ids[(group_index, ready)] = torch.tensor(
-                [base + i for b in plan.buckets for i in b.indices], device=self.skipped.device)
-        return ids
-
-    def _plan_for(self, group_index: int, ready: tuple, grads: list):
-        """The kernel plan of these ready params (cached: the same sets come every step), made by
-        the optimizer's own planner; remade after a write to the state, as step() does."""
+    def _entry(self, group_index: int, ready: tuple, ready_grads: list) -> "_Entry":
+        """The kernel plan of these ready params and how to feed it (cached: the same sets come
+        every step), made by the optimizer's own planner; remade after a write to the state, as
+        step() does."""
         opt = self.optimizer
         if self._epoch != state_epoch() or opt.state is not self._state_obj:
             opt.state = tracked(opt.state)
-            self._plans, self._clip_ids = {}, {}
-        plan = self._plans.get((group_index, ready))
-        if plan is None:
-            self._clip_ids.pop((group_index, ready), None)
-            plan = self._plans[(group_index, ready)] = opt._plan(
-                group_index, opt.param_groups[group_index], grads, cache=False)
+            self._entries = {}
+        entry = self._entries.get((group_index, ready))
+        if entry is None:
+            entry = self._entries[(group_index, ready)] = self._make_entry(group_index, ready,
+                                                                           ready_grads)
             self._epoch, self._state_obj = state_epoch(), opt.state
-        return plan
+        return entry
+
+    def _make_entry(self, group_index: int, ready: tuple, ready_grads: list) -> "_Entry":
+        opt = self.optimizer
+        group = opt.param_groups[group_index]
+        grads = [None] * len(group["params"])  # the planner indexes a group-length grad list
+        for i, g in zip(ready, ready_grads):
+            grads[i] = g
+        plan = opt._plan(group_index, group, grads, cache=False)
+        at = {i: k for k, i in enumerate(ready)}  # group index -> position in ready_grads
+        parts = [(b, operator.itemgetter(*(at[i] for i in b.indices), at[b.indices[0]]))
+                 for b in plan.buckets]  # (a tuple even for one index; the last one dropped)
+        device = plan.buckets[0].state["local_params"][0].device if plan.buckets else None
+        clip_ids = None
+        if self._clip is not None:  # flat positions of the params, in the order they are checked
+            base = self._group_base[group_index]
+            clip_ids = torch.tensor([base + i for b in plan.buckets for i in b.indices],
+                                    device=self.skipped.device)
+        return _Entry(parts, device, clip_ids)
+
+    def _flags_on(self, device) -> tuple:
+        """(grad_scale, inverse scale, the bucket's found flag, the backward's found flag) on a
+        device: the scale and its inverse once per backward; the bucket flag is one tensor reused
+        by every bucket (each check clears it), the backward's made once per backward."""
+        flags = self._flags.get(device)
+        if flags is None:
+            scale = self._scale_on(device)
+            inv = (torch.ones((), dtype=torch.float32, device=device) if scale is None
+                   else scale.double().reciprocal().float())
+            found = self._bucket_found.get(device)
+            if found is None:
+                found = self._bucket_found[device] = torch.zeros((), dtype=torch.float32,
+                                                                 device=device)
+            self._found[device] = torch.zeros((), dtype=torch.float32, device=device)
+            flags = self._flags[device] = (scale, inv, found, self._found[device])
+        return flags
 
     def _scale_on(self, device):
         s = self.scaler
@@ -342,19 +394,12 @@ class GradRelease:
             return None
         return s._scale.to(device)
 
-    def _check(self, grads, device):
-        """The bucket's non-finite flag (0/1) and, for clip='previous', the sum of squares of each
-        unscaled grad: one read-only pass, on the device."""
-        found = torch.zeros((), dtype=torch.float32, device=device)
-        scale = self._scale_on(device)
-        inv = (torch.ones((), dtype=torch.float32, device=device) if scale is None
-               else scale.double().reciprocal().float())
-        per_grad = (torch.zeros(len(grads), dtype=torch.float32, device=device)
-                    if self._clip is not None else None)
-        amp_ops.check_grads(grads, found, inv, None, per_grad, backend=self.optimizer._backend)
-        return found, per_grad
 
-    def _record(self, found) -> None:
-        prev = self._found.get(found.device)
-        self._found[found.device] = found.clone() if prev is None else torch.maximum(prev, found)
-        self.skipped += (found > 0).to(torch.int32).to(self.skipped.device)
+class _Entry:
+    """A release bucket's update, made once per (group, ready params): the planner's buckets,
+    each with the getter of its grads from the release bucket's (``ready`` order), their
+    device and, with clip='previous', the params' flat positions."""
+    __slots__ = ("parts", "device", "clip_ids")
+
+    def __init__(self, parts: list, device, clip_ids):
+        self.parts, self.device, self.clip_ids = parts, device, clip_ids

@@ -102,14 +102,17 @@ class SGD(FusedOptimizer):
                 "momentum": float(sg["betas"][0]), "dampening": 0.0}
 
     # ---- step -------------------------------------------------------------------------------
-    def _hyper(self, group, device) -> tuple:
-        """(lr, lr_tensor, momentum, dampening, weight_decay) as sgd_step_ takes them."""
+    def _hyper(self, group, device) -> dict:
+        """lr, lr_tensor, momentum, dampening, weight_decay as sgd_step_ takes them
+        (keywords)."""
         lr = group["lr"]
         tensor_lr = isinstance(lr, Tensor)
-        return (0.0 if tensor_lr else float(lr), copy_to(lr, device) if tensor_lr else None,
-                float(group["momentum"]), float(group["dampening"]),
-                float(group["weight_decay"]))
+        return dict(lr=0.0 if tensor_lr else float(lr),
+                    lr_tensor=copy_to(lr, device) if tensor_lr else None,
+                    momentum=float(group["momentum"]), dampening=float(group["dampening"]),
+                    weight_decay=float(group["weight_decay"]))
 
     def _launch(self, b, grads, group, hyper, scaling) -> None:
-        b.state["step_"](grads, *hyper, bool(group["nesterov"]), bool(group["maximize"]),
-                         b.state["mode"], *scaling, backend=self._backend)
+        b.state["step_"](grads, **hyper, nesterov=bool(group["nesterov"]),
+                         maximize=bool(group["maximize"]), master_mode=b.state["mode"],
+                         **scaling, backend=self._backend)

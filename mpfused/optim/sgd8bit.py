@@ -32,7 +32,7 @@ __all__ = ["SGD8bit"]
 
 class SGD8bit(State8bit, SGD):
     _QUANT_STATES = (("momentum_buffer", "signed"),)
-    _OP_8BIT = sgd8bit_ops.sgd8bit_step_
+    _OP_8BIT = sgd8bit_ops.sgd8bit_step_.op
     _TORCH_GROUP_KEYS = ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize",
                          "foreach", "differentiable", "fused")
 
@@ -57,8 +57,8 @@ class SGD8bit(State8bit, SGD):
             raise ValueError(f"{where} momentum={group['momentum']!r}: SGD8bit needs momentum "
                              "> 0 (the 8-bit state is the momentum buffer); use mpfused.SGD")
 
-    def _flags_8bit(self, group) -> tuple:
-        return bool(group["nesterov"]), bool(group["maximize"])
+    def _flags_8bit(self, group) -> dict:
+        return dict(nesterov=bool(group["nesterov"]), maximize=bool(group["maximize"]))
 
     def _bnb_group(self, gi, group) -> dict:
         for key in ("dampening", "nesterov"):

@@ -104,7 +104,7 @@ _DEFAULTS_8BIT = dict(block_size=256, min_8bit_size=4096, optim_bits=8)
 class State8bit:
     """8-bit block-wise state for the engine's optimizers (a mixin: see the module docstring)."""
     _QUANT_STATES: tuple = ()  # ((state key, "signed" | "unsigned"), ...), bitsandbytes' order
-    _OP_8BIT = None  # (params, grads, *codes, *absmaxs, masters, steps, *qmaps, block_size, ...)
+    _OP_8BIT = None  # an Op: (params, grads, *codes, *absmaxs, masters, steps, *qmaps, *, ...)
     _TORCH_GROUP_KEYS: tuple = ()  # the 32-bit torch optimizer's group keys; (): all but 8-bit
     state_dict_version = FORMAT_VERSION  # 1: state_dict() writes version-1 keys (see above)
     _STATE_BITS = 8  # 4: the 4-bit codec (mpfused/quant4.py; AdamW4bit), same machinery
@@ -132,16 +132,11 @@ class State8bit:
         super()._setup_engine(*args)
         self.defaults.update(self._8bit_defaults)
 
-    def add_param_group(self, param_group) -> None:
-        super().add_param_group(param_group)
-        group = self.param_groups[-1]
+    def _check_new_group(self, group) -> None:
+        super()._check_new_group(group)
         for key, value in self._8bit_defaults.items():
             group.setdefault(key, value)
-        try:
-            self._check_group_8bit(group)
-        except ValueError as e:
-            self.param_groups.pop()  # nothing of the rejected group stays
-            raise ValueError(f"mpfused.{type(self).__name__}: {e}") from None
+        self._check_group_8bit(group)
 
     def _check_group_8bit(self, group, where: str = "param group") -> None:
         check_settings_8bit(group, where, self._STATE_BITS)
@@ -170,9 +165,9 @@ class State8bit:
     def _check_group_rules(self, group, where: str) -> None:
         """The optimizer's own rules for a group (e.g. no amsgrad); ValueError naming `where`."""
 
-    def _flags_8bit(self, group) -> tuple:
-        """The 8-bit op's arguments between the scalars and master_mode (required of every
-        8-bit class: AdamW8bit, SGD8bit, Lion8bit define it)."""
+    def _flags_8bit(self, group) -> dict:
+        """The 8-bit op's keyword arguments between the scalars and master_mode (required of
+        every 8-bit class: AdamW8bit, SGD8bit, Lion8bit define it)."""
         raise NotImplementedError(f"{type(self).__name__} must define _flags_8bit")
 
     def _torch_group(self, g) -> dict:
@@ -308,8 +303,9 @@ class State8bit:
         s = b.state
         if not s["eight"]:
             return super()._launch(b, grads, group, hyper, scaling)
-        s["step_"](grads, *s["qmaps"], int(group["block_size"]), *hyper,
-                   *self._flags_8bit(group), s["mode"], *scaling, backend=self._backend)
+        s["step_"](grads, *s["qmaps"], block_size=int(group["block_size"]), **hyper,
+                   **self._flags_8bit(group), master_mode=s["mode"], **scaling,
+                   backend=self._backend)
 
     # ---- conversions -------------------------------------------------------------------------
     def to_torch_state_dict(self) -> dict:

@@ -200,7 +200,7 @@ def param_updates(params, grads, masters, steps, lr, lr_tensor, weight_decay, ma
         yield i, p, t, streams[i], mode, master, w, g, lr
 
 
-def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, lr,
+def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, *, lr,
                lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled,
                master_mode, grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0,
                seed=0, param_ids=(), elem_offsets=()):

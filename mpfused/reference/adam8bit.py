@@ -24,7 +24,7 @@ def store_quantized(codes, absmax, state, qmap, block_size, keep_negative):
 
 
 def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters, steps,
-                   qmap1, qmap2, block_size, lr, lr_tensor, beta1, beta2, eps, weight_decay,
+                   qmap1, qmap2, *, block_size, lr, lr_tensor, beta1, beta2, eps, weight_decay,
                    maximize, decoupled, master_mode, grad_scale=None, found_inf=None,
                    norm_sq=None, max_grad_norm=0.0, seed=0, param_ids=(), elem_offsets=()):
     for i, p, t, stream, mode, master, w, g, lr in param_updates(

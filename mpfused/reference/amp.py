@@ -31,15 +31,15 @@ def _check(grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor, write_back)
         norm_sq.add_(total.to(norm_sq.dtype))
 
 
-def unscale_grads_(grads, found_inf, inv_scale, norm_sq=None, norm_sq_per_tensor=None):
+def unscale_grads_(grads, found_inf, inv_scale, *, norm_sq=None, norm_sq_per_tensor=None):
     _check(grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor, write_back=True)
 
 
-def check_grads(grads, found_inf, inv_scale, norm_sq=None, norm_sq_per_tensor=None):
+def check_grads(grads, found_inf, inv_scale, *, norm_sq=None, norm_sq_per_tensor=None):
     _check(grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor, write_back=False)
 
 
-def update_scale_(scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
+def update_scale_(scale, growth_tracker, hysteresis_tracker, found_inf, *, growth_factor,
                   backoff_factor, growth_interval, hysteresis, min_scale, max_scale,
                   consecutive_hysteresis=False):
     """The rule of csrc/include/mpfused/amp_math.h, on host scalars (syncs: reference only)."""

@@ -16,7 +16,7 @@ def lion_update(w, g, m, lr, beta1, beta2):
     return w - lr * sign, beta2 * m + (1 - beta2) * g
 
 
-def lion_step_(params, grads, exp_avgs, masters, steps, lr, lr_tensor, beta1, beta2, weight_decay,
+def lion_step_(params, grads, exp_avgs, masters, steps, *, lr, lr_tensor, beta1, beta2, weight_decay,
                maximize, master_mode, grad_scale=None, found_inf=None, norm_sq=None,
                max_grad_norm=0.0, seed=0, param_ids=(), elem_offsets=()):
     # param_updates: unscale, clip, maximize, and w *= 1 - lr * wd (decoupled=True)

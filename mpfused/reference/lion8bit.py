@@ -9,7 +9,7 @@ from mpfused.reference.adam8bit import dequantized, store_quantized
 from mpfused.reference.lion import lion_update
 
 
-def lion8bit_step_(params, grads, exp_avgs, absmaxs, masters, steps, qmap, block_size, lr,
+def lion8bit_step_(params, grads, exp_avgs, absmaxs, masters, steps, qmap, *, block_size, lr,
                    lr_tensor, beta1, beta2, weight_decay, maximize, master_mode, grad_scale=None,
                    found_inf=None, norm_sq=None, max_grad_norm=0.0, seed=0, param_ids=(),
                    elem_offsets=()):

@@ -13,7 +13,7 @@ def momentum_update(g, buf, t, momentum, dampening, nesterov):
     return (g + momentum * buf if nesterov else buf), buf
 
 
-def sgd_step_(params, grads, momentum_buffers, masters, steps, lr, lr_tensor, momentum, dampening,
+def sgd_step_(params, grads, momentum_buffers, masters, steps, *, lr, lr_tensor, momentum, dampening,
               weight_decay, nesterov, maximize, master_mode, grad_scale=None, found_inf=None,
               norm_sq=None, max_grad_norm=0.0, seed=0, param_ids=(), elem_offsets=()):
     if momentum != 0 and len(momentum_buffers) != len(params):

@@ -9,7 +9,7 @@ from mpfused.reference.adam8bit import dequantized, store_quantized
 from mpfused.reference.sgd import momentum_update
 
 
-def sgd8bit_step_(params, grads, momentum_buffers, absmaxs, masters, steps, qmap, block_size, lr,
+def sgd8bit_step_(params, grads, momentum_buffers, absmaxs, masters, steps, qmap, *, block_size, lr,
                   lr_tensor, momentum, dampening, weight_decay, nesterov, maximize, master_mode,
                   grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0, seed=0,
                   param_ids=(), elem_offsets=()):

@@ -168,15 +168,29 @@ MPF_HD uint32_t round_to_24_bits(float w) {
   return (u & 0x7FFFFFFFu) > 0x7F800000u ? 0x7FC00000u : r;
 }
 
-MPF_HD float remainder8_join(uint16_t p_bits, int8_t rem) {
+// The correction is taken and given sign-extended to 16 bits (the `_wide` forms): CPU kernels
+// stage the int8 corrections through int16 tiles, so that their hot loops handle only 16- and
+// 32-bit lanes, as the int16 remainder's do (an int8 operand in the loop makes GCC vectorize it
+// 4 floats at a time).
+MPF_HD float remainder8_join_wide(uint16_t p_bits, int16_t rem) {
   const uint32_t hi = rem < 0 ? uint32_t(uint16_t(p_bits - 1)) : uint32_t(p_bits);
-  return bits_f32((hi << 16) | (uint32_t(uint8_t(rem)) << 8));
+  return bits_f32((hi << 16) | ((uint32_t(uint16_t(rem)) & 0xFFu) << 8));
+}
+
+MPF_HD void remainder8_split_wide(float w, uint16_t& p_bits, int16_t& rem) {
+  const uint32_t u = round_to_24_bits(w);
+  rem = int16_t(int32_t(u << 16) >> 24);  // bits 8..15, sign-extended
+  p_bits = uint16_t((u >> 16) + (rem < 0 ? 1u : 0u));
+}
+
+MPF_HD float remainder8_join(uint16_t p_bits, int8_t rem) {
+  return remainder8_join_wide(p_bits, int16_t(rem));
 }
 
 MPF_HD void remainder8_split(float w, uint16_t& p_bits, int8_t& rem) {
-  const uint32_t u = round_to_24_bits(w);
-  rem = int8_t(uint8_t(u >> 8));
-  p_bits = uint16_t((u >> 16) + (rem < 0 ? 1u : 0u));
+  int16_t r;
+  remainder8_split_wide(w, p_bits, r);
+  rem = int8_t(r);
 }
 
 // The fp32 value w of a param element p with its master m (MasterStore<MODE>), and its store

@@ -179,6 +179,16 @@ MPF_HD int32_t quant4_encode(const float* thr, float x) {
   return c;
 }
 
+// quant8_encode_eytzinger over the thresholds of a 16-entry map padded with +inf (above): its
+// first four levels compare with +inf (false for every float32, NaN included) and reach node 16,
+// so starting there gives the same code with 4 of the 8 compares (CUDA kernel).
+MPF_HD int32_t quant4_encode_eytzinger(const float* eyt, float x) {
+  int32_t k = kQuant4Codes;
+#pragma unroll
+  for (int l = 0; l < 4; ++l) k = 2 * k + (x > eyt[k] ? 1 : 0);
+  return k - kQuantCodes;
+}
+
 // The code of element i of a packed 4-bit state.
 MPF_HD int32_t quant4_code_at(const uint8_t* packed, int64_t i) {
   return int32_t(packed[i >> 1] >> (((i & 1) ^ 1) * 4)) & 0xF;

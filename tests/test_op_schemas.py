@@ -1,0 +1,205 @@
+"""The op entry points (issue 21): every schema takes its operands (tensor lists, operand tensors)
+positionally and every scalar, option and optional tensor after ``*``; each op has one typed
+wrapper with a docstring and the schema's parameters; the fake kernels check list lengths, dtypes
+and devices and name the argument, in fake mode and under ``torch.compile``."""
+import inspect
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import mpfused  # noqa: F401  (defines and routes the ops)
+from benchmarks.smoke_cases import FAMILIES, cases, inputs
+from mpfused.ops import OPS
+from mpfused.ops.bound import BoundOp
+from mpfused.ops.registry import REQUIRED
+
+STEP_OPS = sorted(n for n in OPS if n.endswith("_step_"))
+
+
+def _schema(name):
+    return torch._C.parse_schema(OPS[name].schema)
+
+
+def _is_operand(arg) -> bool:
+    """A tensor list or a (non-optional) tensor: what the ops take positionally."""
+    return str(arg.type) in ("List[Tensor]", "Tensor")
+
+
+def test_every_op_is_covered():
+    assert set(FAMILIES) | {"adam4bit_step_"} == set(OPS)
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_scalars_are_keyword_only(name):
+    args = _schema(name).arguments
+    for a in args:
+        assert a.kwarg_only != _is_operand(a), (
+            f"{name}: {a.name} ({a.type}) must be "
+            f"{'positional' if _is_operand(a) else 'keyword-only (after *)'}")
+    # the operands come first: keyword-only arguments are still positional in C++, so the unboxed
+    # kernel signatures (csrc/bindings/op_signatures.h) keep the schema's order
+    kinds = [a.kwarg_only for a in args]
+    assert kinds == sorted(kinds)
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_wrapper_has_the_schema_parameters_and_a_docstring(name):
+    op = OPS[name]
+    fn = op.wrapper
+    assert fn is not None and fn.op is op and fn.__name__ == name
+    module = __import__(fn.__module__, fromlist=[name])
+    assert getattr(module, name) is fn  # the public entry, beside the schema
+    assert fn.__doc__ and len(fn.__doc__.strip()) > 80, f"{name}: wrapper without a docstring"
+    params = list(inspect.signature(fn).parameters.values())
+    assert params[-1].name == "backend" and params[-1].kind is inspect.Parameter.KEYWORD_ONLY
+    assert params[-1].default is None
+    args = _schema(name).arguments
+    assert [p.name for p in params[:-1]] == [a.name for a in args]
+    defaults = dict(op.keyword_args)
+    for p, a in zip(params, args):
+        want = inspect.Parameter.KEYWORD_ONLY if a.kwarg_only else (
+            inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        assert p.kind is want, (name, p.name)
+        assert p.annotation is not inspect.Parameter.empty, (name, p.name)
+        if a.kwarg_only:
+            d = defaults[a.name]
+            assert (p.default is inspect.Parameter.empty) == (d is REQUIRED), (name, p.name)
+            if d is not REQUIRED:
+                assert p.default == d, (name, p.name)
+
+
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_python_implementations_take_the_schema_keywords(name):
+    """The dispatcher hands Python kernels keyword-only arguments as keywords."""
+    names = [a.name for a in _schema(name).arguments]
+    impls = [OPS[name].reference]
+    try:
+        import mpfused.triton_kernels  # noqa: F401
+        impls.append(OPS[name].triton)
+    except ImportError:
+        pass
+    for impl in impls:
+        sig = inspect.signature(inspect.unwrap(impl))
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values()):
+            continue  # adam4bit_step_'s Triton entry forwards to adam8bit_step_'s
+        params = [p for p in sig.parameters.values() if not p.name.startswith("_")]
+        assert [p.name for p in params] == names, impl
+        for p, a in zip(params, _schema(name).arguments):
+            assert (p.kind is inspect.Parameter.KEYWORD_ONLY) == a.kwarg_only, (impl, p.name)
+
+
+def test_positional_scalars_are_refused():
+    p = [torch.zeros(2)]
+    with pytest.raises(RuntimeError, match="positional argument"):
+        torch.ops.mpfused.check_grads.default(p, torch.zeros(()), torch.ones(()), None)
+    with pytest.raises(TypeError):
+        OPS["check_grads"].wrapper(p, torch.zeros(()), torch.ones(()), None)
+
+
+# ---- fake kernels --------------------------------------------------------------------------------
+def _case(op, dtype="bf16", mode="fp32-master"):
+    gen = torch.Generator().manual_seed(0)
+    if op in ("check_grads", "unscale_grads_", "update_scale_"):
+        mode = "-"
+    elif op.startswith("sgd"):
+        mode = f"momentum/{mode}"
+    return inputs(op, dtype, mode, gen)[:2]
+
+
+def _fake(fake_mode, obj):
+    if isinstance(obj, torch.Tensor):
+        return fake_mode.from_tensor(obj)
+    if isinstance(obj, list):
+        return [_fake(fake_mode, x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: _fake(fake_mode, v) for k, v in obj.items()}
+    return obj
+
+
+@pytest.mark.parametrize("case", cases(["native"]), ids=lambda c: "-".join(c[0:1] + c[2:]))
+def test_fake_kernels_accept_every_valid_call(case):
+    op, _, dtype, mode = case
+    args, kwargs, _ = inputs(op, dtype, mode, torch.Generator().manual_seed(0))
+    with FakeTensorMode() as fm:
+        getattr(torch.ops.mpfused, op).default(*_fake(fm, args), **_fake(fm, kwargs))
+
+
+# (op, operand index, what to do, the message): the first state list of each step op
+BAD = [(op, 2, kind) for op in STEP_OPS for kind in ("short", "dtype", "device")]
+
+
+@pytest.mark.parametrize("op,index,kind", BAD)
+def test_fake_kernel_names_the_bad_argument(op, index, kind):
+    args, kwargs = _case(op)
+    name = _schema(op).arguments[index].name
+    lst = args[index]
+    if kind == "short":
+        args[index] = lst[:-1]
+        match = rf"mpfused: {op}: {name} has {len(lst) - 1} tensors, expected {len(lst)}"
+    elif kind == "dtype":
+        wrong = torch.float64 if lst[1].dtype != torch.float64 else torch.float32
+        args[index] = lst[:1] + [lst[1].to(wrong)] + lst[2:]
+        match = rf"mpfused: {op}: {name}\[1\] has dtype {wrong}, expected {lst[1].dtype}"
+    else:
+        args[index] = lst[:1] + [torch.empty_like(lst[1], device="meta")] + lst[2:]
+        match = rf"mpfused: {op}: {name}\[1\] is on meta, expected cpu"
+    with FakeTensorMode() as fm:
+        with pytest.raises(RuntimeError, match=match):
+            getattr(torch.ops.mpfused, op).default(*_fake(fm, args), **_fake(fm, kwargs))
+
+
+@pytest.mark.parametrize("op,key,value,match", [
+    ("adam_step_", "found_inf", torch.zeros((), dtype=torch.float64),
+     r"adam_step_: found_inf has dtype torch.float64, expected torch.float32"),
+    ("adam_step_", "grad_scale", torch.ones((), device="meta"),
+     r"adam_step_: grad_scale is on meta, expected cpu"),
+    ("sgd_step_", "param_ids", [0, 1],
+     r"sgd_step_: param_ids has 2 entries, expected 6"),
+    ("lion8bit_step_", "master_mode", 9, r"lion8bit_step_: master_mode must be 0"),
+    ("check_grads", "norm_sq", torch.zeros((), dtype=torch.float16),
+     r"check_grads: norm_sq has dtype torch.float16, expected torch.float32"),
+])
+def test_fake_kernel_checks_the_keyword_arguments(op, key, value, match):
+    args, kwargs = _case(op)
+    kwargs[key] = value
+    with FakeTensorMode() as fm:
+        with pytest.raises(RuntimeError, match=match):
+            getattr(torch.ops.mpfused, op).default(*_fake(fm, args), **_fake(fm, kwargs))
+
+
+def test_fake_kernel_of_update_scale_checks_the_trackers():
+    args, kwargs = _case("update_scale_")
+    args[1] = args[1].long()
+    with FakeTensorMode() as fm:
+        with pytest.raises(RuntimeError, match=r"update_scale_: growth_tracker has dtype "
+                                               r"torch.int64, expected torch.int32"):
+            torch.ops.mpfused.update_scale_.default(*_fake(fm, args), **_fake(fm, kwargs))
+
+
+def test_compile_error_names_the_argument():
+    """torch.compile traces the op through its fake kernel: a wrong operand fails at trace time
+    with the fake kernel's message (the argument and the rule), not deep inside a kernel."""
+    args, kwargs = _case("adam_step_", dtype="fp32", mode="none")
+    args[3] = args[3][:1] + [args[3][1].half()] + args[3][2:]  # exp_avg_sqs[1] fp16
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def step(args, kwargs):
+        OPS["adam_step_"].wrapper(*args, **kwargs)
+
+    with pytest.raises(Exception, match=r"adam_step_: exp_avg_sqs\[1\] has dtype torch.float16, "
+                                        r"expected torch.float32"):
+        step(args, kwargs)
+
+
+# ---- BoundOp: keywords in, the C++ method's positional order out --------------------------------
+def test_bound_op_refuses_missing_or_unknown_keywords():
+    args, kwargs = _case("lion_step_", dtype="fp32", mode="none")
+    bound = BoundOp(OPS["lion_step_"].wrapper, [args[0]] + args[2:])
+    if bound.native() is None or not OPS["lion_step_"].native_available("cpu"):
+        pytest.skip("no native extension")
+    partial = {k: v for k, v in kwargs.items() if k != "beta2"}
+    with pytest.raises(TypeError, match="missing keyword argument.*beta2"):
+        bound(args[1], **partial)
+    with pytest.raises(TypeError, match="unexpected keyword argument.*betas"):
+        bound(args[1], **kwargs, betas=(0.9, 0.99))
