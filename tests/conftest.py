@@ -57,9 +57,34 @@ def _fresh_seed(request):
 
 
 def pytest_collection_finish(session):
+    _start_background_builds(session)
     # torch.testing._internal.common_utils (imported by the tests that read torch's optim_db)
     # freezes torch.backends' flags on import (disable_global_flags, for torch's own suite);
     # mpfused.amp.setup(tf32=True) sets them as a user's process may, so unfreeze them.
     import torch.backends as backends
     if backends.flags_frozen():  # the flag lives in the functions' module dict (torch wraps it)
         backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
+
+
+def _start_background_builds(session):
+    # The build-and-run jobs of the modules that have them (BACKGROUND_BUILD: the CUDA emulation's
+    # and nvcc's builds, the Triton AOT compile) start now, in test order, at the lowest CPU
+    # priority, so they use the CPU time the other tests leave idle (tests/background_builds.py).
+    from tests import background_builds
+    if session.config.option.collectonly:
+        return
+    seen = set()
+    for order, item in enumerate(session.items):
+        module = getattr(item, "module", None)
+        if module is None or module.__name__ in seen:
+            continue
+        seen.add(module.__name__)
+        fn = getattr(module, "BACKGROUND_BUILD", None)
+        if fn is not None:
+            tmp = session.config._tmp_path_factory.mktemp(module.__name__.rsplit(".", 1)[-1])
+            background_builds.start(module.__name__, fn, order, tmp)
+
+
+def pytest_sessionfinish(session):
+    from tests import background_builds
+    background_builds.close()

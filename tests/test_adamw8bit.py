@@ -465,12 +465,16 @@ def test_every_cpu_isa_build_is_bit_identical():
     import subprocess
     import sys
     seed = str(int(torch.randint(0, 2**31, ()).item()))
+    # the four processes at once: most of each is importing torch and mpfused
+    procs = {isa: subprocess.Popen([sys.executable, "-c", _ISA_SCRIPT, seed],
+                                   env=dict(os.environ, MPFUSED_CPU_ISA=isa), text=True,
+                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for isa in ("base", "v3", "v4", "vbmi")}
     digests = {}
-    for isa in ("base", "v3", "v4", "vbmi"):
-        env = dict(os.environ, MPFUSED_CPU_ISA=isa)
-        out = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, seed], env=env, check=True,
-                             capture_output=True, text=True)
-        digests[isa] = out.stdout.strip()
+    for isa, proc in procs.items():
+        out, err = proc.communicate()
+        assert proc.returncode == 0, (isa, err)
+        digests[isa] = out.strip()
     assert len(set(digests.values())) == 1, digests
 
 

@@ -10,8 +10,10 @@
   when the installed torch ships c10/cuda headers (a CPU wheel does, minus one generated header
   that is stubbed here) and a CUDA toolkit include dir is found.
 
-All jobs run in parallel, once per module, under one deadline so the module stays < 2 minutes;
-a job cut by that deadline (an overloaded machine) is skipped, not failed.
+All jobs run in parallel, once per module, in the background from collection on
+(tests/background_builds.py), under one deadline (counted from when this module's tests start) so
+the module stays < 2 minutes; a job cut by that deadline (an overloaded machine) is skipped, not
+failed (failed under MPFUSED_STRICT_TESTS=1).
 """
 from __future__ import annotations
 
@@ -21,12 +23,11 @@ import glob
 import os
 import re
 import shutil
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
+from tests import background_builds
 from tests.conftest import STRICT, deadline_s, skip_or_fail  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,17 +224,6 @@ SETUP_NVCC_FLAGS = _setup_nvcc_flags()
 TIMEOUT = None  # return code of a job cut by the module deadline: skipped, not failed
 
 
-def _run(cmd: list[str], deadline: float) -> tuple[int | None, str]:
-    left = deadline - time.monotonic()
-    if left <= 1:
-        return TIMEOUT, "not run: module deadline reached (machine too busy?)"
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
-    except subprocess.TimeoutExpired:
-        return TIMEOUT, f"cut by the module deadline ({DEADLINE_S:.0f} s): {' '.join(cmd)}"
-    return p.returncode, f"$ {' '.join(cmd)}\n{p.stdout}{p.stderr}"
-
-
 def _check(result):
     rc, out = result
     if rc is TIMEOUT:
@@ -242,10 +232,10 @@ def _check(result):
     return out
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cuda_compile")
-    deadline = time.monotonic() + DEADLINE_S
+def _build(job) -> dict:
+    """Every compile job, in parallel (in the background from collection on:
+    tests/background_builds.py). name -> (rc, output); rc TIMEOUT: cut by the module deadline."""
+    tmp = Path(job.tmp)
     jobs: dict[str, list[list[str]]] = {}
     for cu in CU_FILES:
         for arch in ARCHS:
@@ -292,18 +282,26 @@ def results(tmp_path_factory):
     def run_job(cmds):
         outs = []
         for cmd in cmds:  # sequential steps of one job (build, then run)
-            rc, out = _run(cmd, deadline)
+            rc, out = job.run(cmd)
             outs.append(out)
             if rc != 0:  # a failure or a deadline cut (None)
                 return rc, "\n".join(outs)
         return 0, "\n".join(outs)
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as ex:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs)) as ex:
         futs = {name: ex.submit(run_job, cmds) for name, cmds in jobs.items()}
         res = {name: f.result() for name, f in futs.items()}
     res["_bindings_skip"] = bindings if isinstance(bindings, str) else None
     res["_tmp"] = str(tmp)
     return res
+
+
+BACKGROUND_BUILD = _build if NVCC is not None else None
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return background_builds.result(__name__, _build, DEADLINE_S, tmp_path_factory)
 
 
 def test_there_are_cuda_sources():

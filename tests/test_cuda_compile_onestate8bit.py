@@ -15,16 +15,14 @@ stochastic (remainder8, mode 4, added later: within the same 64 registers, 0 B s
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import re
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 
 from tests.test_cuda_compile import (CU_FILES, NVCC, ROOT, SETUP_NVCC_FLAGS,  # noqa: F401
                                      _inexact_f32, _ptx_entries, _ptxas_report, pytestmark)
+from tests import background_builds
 from tests.conftest import deadline_s, skip_or_fail
 
 UNITS = ["sgd8bit_cuda", "lion8bit_cuda"]
@@ -60,10 +58,10 @@ def _smem(out: str) -> dict[str, int]:
     return res
 
 
-@pytest.fixture(scope="module")
-def builds(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cuda_compile_onestate8bit")
-    deadline = time.monotonic() + DEADLINE_S
+def _build(job) -> dict:
+    """(unit, arch) -> (rc, ptxas -v output, its -keep dir); rc None: cut by the module deadline.
+    In the background from collection on (tests/background_builds.py)."""
+    tmp = Path(job.tmp)
 
     def build(unit: str, arch: str):
         keep = tmp / f"keep_{unit}_{arch}"
@@ -72,18 +70,19 @@ def builds(tmp_path_factory):
         cmd = [NVCC, "-c", *SETUP_NVCC_FLAGS, "-keep", "-keep-dir", str(keep), *small, "-Xptxas",
                "-v", f"-arch={arch}", "-I", str(ROOT / "csrc" / "include"),
                str(ROOT / "csrc" / "cuda" / f"{unit}.cu"), "-o", str(tmp / f"{unit}.{arch}.o")]
-        left = deadline - time.monotonic()
-        if left <= 1:
-            return None, "not run: module deadline reached", keep
-        try:
-            p = subprocess.run(cmd, capture_output=True, text=True, timeout=left)
-        except subprocess.TimeoutExpired:
-            return None, f"cut by the module deadline ({DEADLINE_S:.0f} s)", keep
-        return p.returncode, f"$ {' '.join(cmd)}\n{p.stdout}{p.stderr}", keep
+        return (*job.run(cmd), keep)
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as ex:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(UNITS) * len(ARCHS)) as ex:
         futs = {(u, a): ex.submit(build, u, a) for u in UNITS for a in ARCHS}
         return {k: f.result() for k, f in futs.items()}
+
+
+BACKGROUND_BUILD = _build if NVCC is not None else None
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    return background_builds.result(__name__, _build, DEADLINE_S, tmp_path_factory)
 
 
 def _out(builds, unit, arch) -> tuple[str, Path]:

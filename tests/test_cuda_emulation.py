@@ -34,13 +34,12 @@ import os
 import re
 import shutil
 import struct
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests import background_builds
 from tests.conftest import STRICT, deadline_s, skip_or_fail  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -77,66 +76,72 @@ pytestmark = pytest.mark.skipif(
     reason="needs g++ on Linux (ucontext, dl_iterate_phdr)")
 
 
-def _sanitizer_works(tmp: Path, flags: list[str]) -> bool:
-    src = tmp / "probe.cpp"
-    src.write_text("#include <vector>\nint main() { std::vector<int> v(3); return v[1]; }\n")
-    exe = tmp / f"probe{len(flags)}"
-    try:
-        build = subprocess.run([CXX, *flags, str(src), "-o", str(exe)], capture_output=True,
-                               timeout=60)
-        return build.returncode == 0 and subprocess.run([str(exe)], timeout=30).returncode == 0
-    except (OSError, subprocess.TimeoutExpired):
-        return False
+def _sanitizer_works(job, flags: list[str]) -> bool:
+    """Whether `flags` build and run a program here (once per session: the emulation modules
+    share it)."""
+    def probe():
+        src = Path(job.tmp) / f"probe{len(flags)}.cpp"
+        src.write_text("#include <vector>\nint main() { std::vector<int> v(3); return v[1]; }\n")
+        exe = src.with_suffix("")
+        rc, _ = job.run([CXX, *flags, str(src), "-o", str(exe)])
+        return rc == 0 and job.run([str(exe)])[0] == 0
+    return background_builds.once(("sanitizer_works", *flags), job, probe)
 
 
-def _run(cmd: list[str], deadline: float, env=None) -> tuple[int | None, str]:
-    left = deadline - time.monotonic()
-    if left <= 1:
-        return None, "not run: module deadline reached (machine too busy?)"
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=left, env=env)
-    except subprocess.TimeoutExpired:
-        return None, f"cut by the module deadline ({DEADLINE_S:.0f} s): {' '.join(cmd)}"
-    return p.returncode, f"$ {' '.join(cmd)}\n{p.stdout}{p.stderr}"
-
-
-@pytest.fixture(scope="module")
-def programs(tmp_path_factory):
-    """Builds every program for each checker and runs it once, all in parallel.
-    (checker, name) -> (rc, output); rc None: cut by the deadline."""
-    tmp = tmp_path_factory.mktemp("cuda_emulation")
-    deadline = time.monotonic() + DEADLINE_S
-    checkers = {}
+def checkers(job) -> dict[str, list[str]]:
+    """The CHECKERS this compiler can build; memcheck without a sanitizer runtime: a plain build
+    (every byte is still compared)."""
+    found = {}
     for name, flags in CHECKERS.items():
-        if _sanitizer_works(tmp, flags):
-            checkers[name] = flags
+        if _sanitizer_works(job, flags):
+            found[name] = flags
         elif name == "memcheck":
-            checkers[name] = []  # plain build: every byte is still compared
-    seed = int.from_bytes(os.urandom(4), "little")  # fresh data and interleavings each run
+            found[name] = []
+    return found
 
+
+def maps_file(job) -> Path:
+    """The quantization maps as little-endian floats, the quantized programs' input: the 8-bit
+    signed and unsigned maps (512), then the 4-bit ones (32; read by adam8bit_vs_cpu only)."""
     from mpfused.quant4 import signed4_map, unsigned4_map
     from mpfused.quant_maps import signed_map, unsigned_map
-    maps = tmp / "maps.bin"  # the 8-bit maps, then the 4-bit ones
+    maps = Path(job.tmp) / "maps.bin"
     maps.write_bytes(struct.pack("<544f", *(signed_map().tolist() + unsigned_map().tolist()
                                             + signed4_map().tolist() + unsigned4_map().tolist())))
+    return maps
+
+
+def build_object(job, cmd: list[str], out: Path) -> tuple[int | None, str, Path]:
+    """`cmd -o out`, once per session for the same cmd (the emulation modules share objects):
+    (rc, output, the object's path)."""
+    def build():
+        return (*job.run([*cmd, "-o", str(out)]), out)
+    return background_builds.once(("object", *cmd), job, build)
+
+
+def _build_and_run(job) -> dict:
+    """Builds every program for each checker and runs it once, all in parallel (in the
+    background from collection on: tests/background_builds.py).
+    (checker, name) -> (rc, output); rc None: cut by the deadline."""
+    tmp = Path(job.tmp)
+    found = checkers(job)
+    seed = int.from_bytes(os.urandom(4), "little")  # fresh data and interleavings each run
+    maps = maps_file(job)
 
     # Objects: the CUDA files under each checker; the CPU kernels under memcheck, and plain for
     # racecheck (their OpenMP runtime is not instrumented, so TSan could not follow it).
     objects: dict[str, tuple[Path, list[str]]] = {}
     for unit in sorted({u for cuda, _ in UNITS.values() for u in cuda}):
-        for checker, flags in checkers.items():
-            out = tmp / f"{unit}.{checker}.o"
-            objects[f"{unit}.{checker}"] = out, [
+        for checker, flags in found.items():
+            objects[f"{unit}.{checker}"] = tmp / f"{unit}.{checker}.o", [
                 CXX, *FLAGS, *flags, *EMU_INC, "-x", "c++", "-c",
-                str(ROOT / "csrc" / "cuda" / f"{unit}.cu"), "-o", str(out)]
+                str(ROOT / "csrc" / "cuda" / f"{unit}.cu")]
     for unit in sorted({u for _, cpu in UNITS.values() for u in cpu}):
-        for kind, flags in [("memcheck", checkers["memcheck"]), ("plain", [])]:
-            if kind == "plain" and "racecheck" not in checkers:
+        for kind, flags in [("memcheck", found["memcheck"]), ("plain", [])]:
+            if kind == "plain" and "racecheck" not in found:
                 continue
-            out = tmp / f"{unit}.{kind}.o"
-            objects[f"{unit}.{kind}"] = out, [
-                CXX, *FLAGS, *flags, "-c", str(ROOT / "csrc" / "cpu" / f"{unit}.cpp"),
-                "-o", str(out)]
+            objects[f"{unit}.{kind}"] = tmp / f"{unit}.{kind}.o", [
+                CXX, *FLAGS, *flags, "-c", str(ROOT / "csrc" / "cpu" / f"{unit}.cpp")]
 
     def deps(name: str, checker: str) -> list[str]:
         cpu = "memcheck" if checker == "memcheck" else "plain"
@@ -148,34 +153,43 @@ def programs(tmp_path_factory):
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0", UBSAN_OPTIONS="print_stacktrace=1",
                TSAN_OPTIONS="exitcode=66", OMP_NUM_THREADS="2")
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as ex:
-        built = {k: ex.submit(_run, cmd, deadline) for k, (_, cmd) in objects.items()}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(objects) + 2 * len(UNITS)) as ex:
+        built = {k: ex.submit(build_object, job, cmd, out) for k, (out, cmd) in objects.items()}
 
         def build_and_run(name: str, checker: str) -> dict:
+            paths = []
             for d in deps(name, checker):
-                rc, out = built[d].result()
+                rc, out, path = built[d].result()
                 if rc != 0:
                     return {"run": (rc, out)}
+                paths.append(str(path))
             exe = tmp / f"{name}.{checker}"
-            rc, out = _run([CXX, *FLAGS, *checkers[checker], *EMU_INC, str(EMU / f"{name}.cpp"),
-                            *(str(objects[d][0]) for d in deps(name, checker)), "-o", str(exe)],
-                           deadline)
+            rc, out = job.run([CXX, *FLAGS, *found[checker], *EMU_INC, str(EMU / f"{name}.cpp"),
+                               *paths, "-o", str(exe)])
             if rc != 0:
                 return {"run": (rc, out)}
-            res = {"run": _run([str(exe), *args[name]], deadline, env)}
+            res = {"run": job.run([str(exe), *args[name]], env)}
             if name == "emulator_selftest" and checker == "racecheck":
                 for race in RACES:
-                    res[race] = _run([str(exe), race], deadline, env)
+                    res[race] = job.run([str(exe), race], env)
             return res
 
-        futures = {(n, c): ex.submit(build_and_run, n, c) for n in PROGRAMS for c in checkers}
+        futures = {(n, c): ex.submit(build_and_run, n, c) for n in PROGRAMS for c in found}
         res = {}
         for (n, c), f in futures.items():
             for what, r in f.result().items():
                 res[(c, n if what == "run" else f"{n} {what}")] = r
     res["_seed"] = seed
-    res["_checkers"] = checkers
+    res["_checkers"] = found
     return res
+
+
+BACKGROUND_BUILD = _build_and_run if CXX is not None and sys.platform.startswith("linux") else None
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory):
+    return background_builds.result(__name__, _build_and_run, DEADLINE_S, tmp_path_factory)
 
 
 def _check(programs, checker: str, name: str) -> str:

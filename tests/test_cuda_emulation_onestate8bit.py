@@ -15,14 +15,15 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import re
-import struct
-import time
+from pathlib import Path
 
 import pytest
 
+from tests import background_builds
 from tests.conftest import deadline_s, skip_or_fail
-from tests.test_cuda_emulation import (CHECKERS, CXX, EMU, EMU_INC, FLAGS, ROOT, _run,
-                                       _sanitizer_works, pytestmark)  # noqa: F401
+from tests.test_cuda_emulation import (BACKGROUND_BUILD as _BUILD, CHECKERS, CXX, EMU,  # noqa: F401
+                                       EMU_INC, FLAGS, ROOT, build_object, checkers, maps_file,
+                                       pytestmark)
 
 DEADLINE_S = deadline_s(300.0)
 CUDA_UNITS = ["sgd8bit_cuda", "lion8bit_cuda"]
@@ -30,60 +31,61 @@ CPU_UNITS = ["sgd8bit_cpu", "lion8bit_cpu", "quant8_cpu"]  # quant8_cpu: the enc
 PROGRAM = "one_state8bit_vs_cpu"
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def _build_and_run(job) -> dict:
     """checker -> (rc, output) of the program built under that checker; rc None: cut by the
-    deadline. Objects are built in parallel."""
-    tmp = tmp_path_factory.mktemp("cuda_emulation_onestate8bit")
-    deadline = time.monotonic() + DEADLINE_S
-    checkers = {}
-    for name, flags in CHECKERS.items():
-        if _sanitizer_works(tmp, flags):
-            checkers[name] = flags
-        elif name == "memcheck":
-            checkers[name] = []  # plain build: every byte is still compared
+    deadline. Objects are built in parallel (in the background from collection on, shared with
+    tests/test_cuda_emulation.py where the same: tests/background_builds.py)."""
+    tmp = Path(job.tmp)
+    found = checkers(job)
     seed = int.from_bytes(os.urandom(4), "little")
-
-    from mpfused.quant_maps import signed_map, unsigned_map
-    maps = tmp / "maps.bin"
-    maps.write_bytes(struct.pack("<512f", *(signed_map().tolist() + unsigned_map().tolist())))
+    maps = maps_file(job)
 
     # The CUDA units under each checker. The CPU kernels, the expected side, are built once,
     # plain, for both: instrumented, their per-ISA clones take 3x as long to build (~30 s of CPU
     # each) and they are not what is checked here (TSan could not follow their OpenMP anyway).
-    objects: dict[str, list[str]] = {}
+    objects: dict[str, tuple[Path, list[str]]] = {}
     for unit in CUDA_UNITS:
-        for checker, flags in checkers.items():
-            objects[f"{unit}.{checker}"] = [
+        for checker, flags in found.items():
+            objects[f"{unit}.{checker}"] = tmp / f"{unit}.{checker}.o", [
                 CXX, *FLAGS, *flags, *EMU_INC, "-x", "c++", "-c",
-                str(ROOT / "csrc" / "cuda" / f"{unit}.cu"), "-o", str(tmp / f"{unit}.{checker}.o")]
+                str(ROOT / "csrc" / "cuda" / f"{unit}.cu")]
     for unit in CPU_UNITS:
-        objects[f"{unit}.plain"] = [CXX, *FLAGS, "-c", str(ROOT / "csrc" / "cpu" / f"{unit}.cpp"),
-                                    "-o", str(tmp / f"{unit}.plain.o")]
+        objects[f"{unit}.plain"] = tmp / f"{unit}.plain.o", [
+            CXX, *FLAGS, "-c", str(ROOT / "csrc" / "cpu" / f"{unit}.cpp")]
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0", UBSAN_OPTIONS="print_stacktrace=1",
                TSAN_OPTIONS="exitcode=66", OMP_NUM_THREADS="2")
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 2)) as ex:
-        built = {k: ex.submit(_run, cmd, deadline) for k, cmd in objects.items()}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(objects) + len(found)) as ex:
+        built = {k: ex.submit(build_object, job, cmd, out) for k, (out, cmd) in objects.items()}
 
         def build_and_run(checker: str):
             deps = [f"{u}.{checker}" for u in CUDA_UNITS] + [f"{u}.plain" for u in CPU_UNITS]
+            paths = []
             for d in deps:
-                rc, out = built[d].result()
+                rc, out, path = built[d].result()
                 if rc != 0:
                     return rc, out
+                paths.append(str(path))
             exe = tmp / f"{PROGRAM}.{checker}"
-            rc, out = _run([CXX, *FLAGS, *checkers[checker], *EMU_INC, str(EMU / f"{PROGRAM}.cpp"),
-                            *(objects[d][-1] for d in deps), "-o", str(exe)], deadline)
+            rc, out = job.run([CXX, *FLAGS, *found[checker], *EMU_INC,
+                               str(EMU / f"{PROGRAM}.cpp"), *paths, "-o", str(exe)])
             if rc != 0:
                 return rc, out
-            return _run([str(exe), str(maps), str(seed)], deadline, env)
+            return job.run([str(exe), str(maps), str(seed)], env)
 
         res = {c: f.result() for c, f in
-               {c: ex.submit(build_and_run, c) for c in checkers}.items()}
+               {c: ex.submit(build_and_run, c) for c in found}.items()}
     res["_seed"] = seed
-    res["_checkers"] = checkers
+    res["_checkers"] = found
     return res
+
+
+BACKGROUND_BUILD = _build_and_run if _BUILD else None
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    return background_builds.result(__name__, _build_and_run, DEADLINE_S, tmp_path_factory)
 
 
 @pytest.mark.parametrize("checker", list(CHECKERS))

@@ -14,13 +14,12 @@ import importlib.util
 import json
 import os
 import re
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
+from tests import background_builds
 from tests.conftest import STRICT, deadline_s, skip_or_fail  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,31 +38,41 @@ pytestmark = pytest.mark.skipif(not _has_nvidia_backend() and not STRICT,
                                 reason="Triton's NVIDIA backend is not installed")
 
 
-@pytest.fixture(scope="module")
-def compiled():
-    """{arch: the driver's report}, or the reason it failed."""
-    out = tempfile.mkdtemp(prefix="mpfused-aot-")
+def _compile(job) -> dict:
+    """{arch: the report's path, or the reason it failed; None: cut by the deadline}. Both archs
+    in parallel, in the background from collection on (tests/background_builds.py). The report is
+    read in the fixture: a background thread allocating many objects while another test runs
+    would show in test_hardening's object count."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     # the checkout's mpfused, also where it is not pip-installed (the script runs as a file)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
 
     def run(arch):
-        path = os.path.join(out, f"{arch}.json")
-        proc = subprocess.run([sys.executable, str(ROOT / "tests" / "triton_aot.py"), str(arch),
-                               path], capture_output=True, text=True, env=env,
-                              timeout=DEADLINE_S)
-        if proc.returncode != 0:
-            return f"driver exit {proc.returncode}:\n{proc.stderr[-3000:]}"
-        with open(path) as f:
-            return json.load(f)
+        path = os.path.join(job.tmp, f"{arch}.json")
+        rc, out = job.run([sys.executable, str(ROOT / "tests" / "triton_aot.py"), str(arch), path],
+                          env)
+        if rc is None:
+            return None
+        if rc != 0:
+            return f"driver exit {rc}:\n{out[-3000:]}"
+        return Path(path)
 
     with concurrent.futures.ThreadPoolExecutor(len(ARCHS)) as pool:
         futures = {a: pool.submit(run, a) for a in ARCHS}
-        try:
-            return {a: f.result() for a, f in futures.items()}
-        except subprocess.TimeoutExpired:
-            skip_or_fail(f"ahead-of-time compilation passed the {DEADLINE_S:.0f} s deadline "
-                        "(an overloaded machine)")
+        return {a: f.result() for a, f in futures.items()}
+
+
+BACKGROUND_BUILD = _compile if _has_nvidia_backend() else None
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """{arch: the driver's report}, or the reason it failed."""
+    res = background_builds.result(__name__, _compile, DEADLINE_S, tmp_path_factory)
+    if any(r is None for r in res.values()):
+        skip_or_fail(f"ahead-of-time compilation passed the {DEADLINE_S:.0f} s deadline "
+                     "(an overloaded machine)")
+    return {a: json.loads(r.read_text()) if isinstance(r, Path) else r for a, r in res.items()}
 
 
 def _report(compiled, arch) -> dict:
