@@ -97,6 +97,20 @@ def check_step(op: str, params, grads, states, masters, steps, *, master_mode: i
             fail(op, f"{name} has {len(ids)} entries, expected {n} (one per param) or none")
 
 
+def one_state_fake(op: str, state: str):
+    """The fake kernel of a one-state block-wise op, ``(params, grads, <state>, absmaxs, masters,
+    steps, qmap, *, block_size, <hyperparameters>, master_mode, ...)`` (sgd8bit_step_,
+    lion8bit_step_ and their 4-bit ops): uint8 codes named ``state``, fp32 absmax, an fp32 map."""
+    def fake(params, grads, codes, absmaxs, masters, steps, qmap, *, master_mode, lr_tensor,
+             grad_scale=None, found_inf=None, norm_sq=None, param_ids=(), elem_offsets=(),
+             **hyper):
+        check_step(op, params, grads, [("absmaxs", absmaxs, True)], masters, steps,
+                   codes=[(state, codes)], qmaps=[("qmap", qmap)], master_mode=master_mode,
+                   lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf,
+                   norm_sq=norm_sq, param_ids=param_ids, elem_offsets=elem_offsets)
+    return fake
+
+
 def check_amp(op: str, grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor) -> None:
     """The operands of unscale_grads_ / check_grads: grads of a float dtype on one device, the
     scalars float32 on it."""
