@@ -199,13 +199,9 @@ class State8bit:
         return is_8bit_state(state, self._quant)
 
     def _init_state(self, group, p, want_8bit: bool = False) -> None:
-        state = self.state[p]
-        if len(state) != 0:
-            return
         if not want_8bit:
             return super()._init_state(group, p)  # the 32-bit optimizer's fp32 state
-        self._master_mode(group, p)  # an invalid mode for this dtype fails before any state
-        state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+        self._start_state(group, p)
         # The codes come from _sync_form (exact zeros), per local shard (blocks never straddle
         # shards); masters from the engine's _sync_state_keys, from p (DTensor masters).
 
