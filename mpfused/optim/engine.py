@@ -20,6 +20,7 @@ from torch.optim.optimizer import Optimizer
 from mpfused.clip_grad import check_by_device
 from mpfused.device_copy import copy_to
 from mpfused.distributed import all_reduce_, found_inf_groups, reduce_norm_parts
+from mpfused.master_modes import FP32_MASTER, NO_MASTER, REMAINDER, REMAINDER8, STOCHASTIC
 from mpfused.optim._buckets import GroupPlan, build_buckets
 from mpfused.optim._checkpoint import (PER_ELEMENT_KEYS, _plain_dicts, _restore_fp32_state,
                                       _stash_fp32_state, check_state_shape)
@@ -29,8 +30,10 @@ from mpfused.optim._state_table import epoch as state_epoch, tracked
 
 __all__ = ["FusedOptimizer", "MASTER_MODES"]
 
-MASTER_MODES = {"none": 0, "fp32": 1, "remainder": 2, "remainder8": 4}
-_STOCHASTIC = 3
+# master_weights -> the ops' master_mode (mpfused/master_modes.py); "none" on bf16 params is
+# stochastic rounding.
+MASTER_MODES = {"none": NO_MASTER, "fp32": FP32_MASTER, "remainder": REMAINDER,
+                "remainder8": REMAINDER8}
 
 
 class FusedOptimizer(Optimizer):
@@ -178,7 +181,7 @@ class FusedOptimizer(Optimizer):
             raise ValueError(f"master_weights={mode!r} needs bfloat16 params, got {p.dtype} "
                              "(fp16 is not the top half of fp32)")
         if mode == "none":
-            return _STOCHASTIC if p.dtype == torch.bfloat16 else MASTER_MODES["none"]
+            return STOCHASTIC if p.dtype == torch.bfloat16 else MASTER_MODES["none"]
         return MASTER_MODES[mode]
 
     def _adopt_written_state(self, p) -> None:
