@@ -15,24 +15,11 @@ from __future__ import annotations
 
 import torch
 
+from mpfused.master_modes import MASTER_DTYPE, REMAINDER8, STOCHASTIC, kernel_mode
 from mpfused.triton_kernels._bits import DTYPE_CODE, num_warps_for
 
 BLOCK = 2048
 M64 = (1 << 64) - 1
-NO_MASTER, FP32_MASTER, REMAINDER, STOCHASTIC, REMAINDER8 = 0, 1, 2, 3, 4
-# The masters operand of the modes that keep one (adam_math.h's MasterStore).
-MASTER_DTYPE = {FP32_MASTER: torch.float32, REMAINDER: torch.int16, REMAINDER8: torch.int8}
-
-
-def kernel_mode(dtype: torch.dtype, master_mode: int) -> int:
-    # As adam_math.h's effective_master_mode: fp32 params are their own master; fp16 params
-    # have either an fp32 master or none (round to nearest); bf16 params take every mode.
-    if dtype == torch.float32:
-        return NO_MASTER
-    if dtype == torch.float16:
-        return FP32_MASTER if master_mode == FP32_MASTER else NO_MASTER
-    return master_mode if master_mode in (FP32_MASTER, REMAINDER, STOCHASTIC,
-                                          REMAINDER8) else NO_MASTER
 
 
 def check_master_mode(params, masters, master_mode) -> None:

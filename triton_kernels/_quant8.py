@@ -10,14 +10,12 @@ import torch
 import triton
 import triton.language as tl
 
+from mpfused.master_modes import MASTER_DTYPE, kernel_mode
 from mpfused.quant_maps import thresholds, zero_code as map_zero_code
 from mpfused.reference.adam import sr_streams
 from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, f64_bits, i64_bits
-from mpfused.triton_kernels._elementwise import (M64, MASTER_DTYPE, advance_steps,
-                                                 check_master_mode, kernel_mode, launch_options,
-                                                 scalar_operands)
-
-MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC = 0, 1, 2, 3
+from mpfused.triton_kernels._elementwise import (M64, advance_steps, check_master_mode,
+                                                 launch_options, scalar_operands)
 
 
 @triton.jit

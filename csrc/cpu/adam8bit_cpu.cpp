@@ -228,7 +228,11 @@ void adam8bit_step(const TensorLists<7>& t, const double* step, const Adam8bitCo
                 &encoder_for(c.map2, -1, ncodes), c.zero_code1};
   const bool lut = mp.enc1->lut.exact && mp.enc2->lut.exact;
   const std::vector<Chunk> chunks = make_chunks(t.numel, t.size);  // block-aligned (static_assert)
-  const StepScalars ss = step_scalars(c, step, t.size);
+  const StepScalars<AdamScalars> ss =
+      step_scalars<AdamScalars>(step, t.size, c.seed, [&c](double s) {
+        return adam_scalars(c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, c.decoupled,
+                            c.maximize, c.grad_mult, s);
+      });
   const std::vector<AdamScalars>& scalars = ss.scalars;
   const std::vector<uint64_t>& seeds = ss.seeds;
   std::vector<ChunkFn> kernels(size_t(t.size));

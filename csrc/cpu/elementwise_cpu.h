@@ -8,6 +8,7 @@
 #include "mpfused/adam_math.h"  // MasterMode, load_weight / store_weight, step_seed
 #include "mpfused/tensor_list.h"
 #include "parallel.h"
+#include "step_scalars.h"
 
 namespace mpfused::cpu {
 
@@ -65,20 +66,19 @@ ElementwiseChunkFn<P> pick_elementwise_chunk(int32_t dtype, int mode) {
 }
 
 // One step of policy P over every tensor of `t`. step[i]: tensor i's step t (already
-// incremented). Scalars are reused while the step repeats (a group's tensors usually share it).
+// incremented). Scalars and seeds: step_scalars.h (reused while the step repeats).
 template <typename P, int DEPTH>
 void elementwise_step(const TensorLists<DEPTH>& t, const double* step,
                       const typename P::Config& c, int num_threads) {
   const std::vector<Chunk> chunks = make_chunks(t.numel, t.size);
   const size_t n = size_t(t.size);
-  std::vector<typename P::Scalars> scalars(n);
-  std::vector<uint64_t> seeds(n);
+  const StepScalars<typename P::Scalars> ss = step_scalars<typename P::Scalars>(
+      step, t.size, c.seed, [&c](double s) { return P::scalars(c, s); });
+  const std::vector<typename P::Scalars>& scalars = ss.scalars;
+  const std::vector<uint64_t>& seeds = ss.seeds;
   std::vector<ElementwiseChunkFn<P>> kernels(n);
-  for (size_t i = 0; i < n; ++i) {
-    scalars[i] = i > 0 && step[i] == step[i - 1] ? scalars[i - 1] : P::scalars(c, step[i]);
-    seeds[i] = step_seed(c.seed, step[i]);
+  for (size_t i = 0; i < n; ++i)
     kernels[i] = pick_elementwise_chunk<P, DEPTH>(t.dtype[i], c.master_mode);
-  }
   const int64_t nc = int64_t(chunks.size());
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (nc > 1)
   for (int64_t k = 0; k < nc; ++k) {

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from mpfused.master_modes import MASTER_DTYPE, REMAINDER8, kernel_mode
+
 F32 = torch.float32
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-FP32_MASTER, REMAINDER, REMAINDER8 = 1, 2, 4
-# The masters operand of the modes that keep one (adam_math.h's MasterStore).
-MASTER_DTYPE = {FP32_MASTER: torch.float32, REMAINDER: torch.int16, REMAINDER8: torch.int8}
 
 
 def fail(op: str, message: str) -> None:
@@ -46,16 +45,6 @@ def check_tensor(op: str, name: str, t, dev, dtype=F32, *, cpu_ok: bool = False)
     if t.device != dev and not (cpu_ok and t.device.type == "cpu"):
         fail(op, f"{name} is on {t.device}, expected {dev} (the params' device"
                  f"{' or the CPU' if cpu_ok else ''})")
-
-
-def kernel_mode(dtype: torch.dtype, master_mode: int) -> int:
-    """adam_math.h's effective master mode: fp32 params are their own master; fp16 params have
-    an fp32 master or none; bf16 params take every mode."""
-    if dtype == torch.float32:
-        return 0
-    if dtype == torch.float16:
-        return FP32_MASTER if master_mode == FP32_MASTER else 0
-    return master_mode
 
 
 def check_step(op: str, params, grads, states, masters, steps, *, master_mode: int, lr_tensor,
@@ -95,6 +84,20 @@ def check_step(op: str, params, grads, states, masters, steps, *, master_mode: i
     for name, ids in (("param_ids", param_ids), ("elem_offsets", elem_offsets)):
         if len(ids) not in (0, n):
             fail(op, f"{name} has {len(ids)} entries, expected {n} (one per param) or none")
+
+
+def one_state_fake(op: str, state: str):
+    """The fake kernel of a one-state block-wise op, ``(params, grads, <state>, absmaxs, masters,
+    steps, qmap, *, block_size, <hyperparameters>, master_mode, ...)`` (sgd8bit_step_,
+    lion8bit_step_ and their 4-bit ops): uint8 codes named ``state``, fp32 absmax, an fp32 map."""
+    def fake(params, grads, codes, absmaxs, masters, steps, qmap, *, master_mode, lr_tensor,
+             grad_scale=None, found_inf=None, norm_sq=None, param_ids=(), elem_offsets=(),
+             **hyper):
+        check_step(op, params, grads, [("absmaxs", absmaxs, True)], masters, steps,
+                   codes=[(state, codes)], qmaps=[("qmap", qmap)], master_mode=master_mode,
+                   lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf,
+                   norm_sq=norm_sq, param_ids=param_ids, elem_offsets=elem_offsets)
+    return fake
 
 
 def check_amp(op: str, grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor) -> None:

@@ -11,40 +11,25 @@ included), fused clipping and stochastic-rounding streams. Native kernel: CPU on
 router serves the Triton kernel."""
 from __future__ import annotations
 
-from typing import Sequence
-
-from torch import Tensor
-
-from mpfused.ops.lion8bit import ARGS, fake_for
+from mpfused.ops.checks import one_state_fake
+from mpfused.ops.lion8bit import ARGS, lion8bit_step_
 from mpfused.ops.registry import define_op
 from mpfused.reference import lion4bit as ref
 
 _op = define_op(
     "lion4bit_step_" + ARGS,
     reference=ref.lion4bit_step_,
-    fake=fake_for("lion4bit_step_"),
+    fake=one_state_fake("lion4bit_step_", "exp_avgs"),
     triton="mpfused.triton_kernels.lion8bit:lion4bit_step_",
 )
 
+# The typed wrapper: lion8bit_step_'s signature (the same arguments), this op's name and
+# docstring (Op.wraps_like).
+lion4bit_step_ = _op.wraps_like(lion8bit_step_, __name__, """\
+One Lion step with a block-wise 4-bit moment, in place
+(``torch.ops.mpfused.lion4bit_step_``).
 
-@_op.wraps
-def lion4bit_step_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
-                   absmaxs: list[Tensor], masters: list[Tensor], steps: list[Tensor], qmap: Tensor,
-                   *, block_size: int, lr: float, lr_tensor: Tensor | None, beta1: float,
-                   beta2: float, weight_decay: float, maximize: bool, master_mode: int,
-                   grad_scale: Tensor | None = None, found_inf: Tensor | None = None,
-                   norm_sq: Tensor | None = None, max_grad_norm: float = 0.0, seed: int = 0,
-                   param_ids: Sequence[int] = (), elem_offsets: Sequence[int] = (),
-                   backend: str | None = None) -> None:
-    """One Lion step with a block-wise 4-bit moment, in place
-    (``torch.ops.mpfused.lion4bit_step_``).
-
-    Operands: ``exp_avgs`` flat uint8 tensors of ceil(numel / 2) bytes (two codes each, element
-    2k in the high nibble) into ``qmap`` (the signed 16-entry map); ``absmaxs`` fp32, one per
-    block of ``block_size`` elements; everything else as ``lion8bit_step_``. ``backend``: an
-    explicit implementation, else the dispatcher's route."""
-    _op(params, grads, exp_avgs, absmaxs, masters, steps, qmap, block_size=block_size, lr=lr,
-        lr_tensor=lr_tensor, beta1=beta1, beta2=beta2, weight_decay=weight_decay,
-        maximize=maximize, master_mode=master_mode, grad_scale=grad_scale, found_inf=found_inf,
-        norm_sq=norm_sq, max_grad_norm=max_grad_norm, seed=seed, param_ids=param_ids,
-        elem_offsets=elem_offsets, backend=backend)
+Operands: ``exp_avgs`` flat uint8 tensors of ceil(numel / 2) bytes (two codes each, element
+2k in the high nibble) into ``qmap`` (the signed 16-entry map); ``absmaxs`` fp32, one per
+block of ``block_size`` elements; everything else as ``lion8bit_step_``. ``backend``: an
+explicit implementation, else the dispatcher's route.""")

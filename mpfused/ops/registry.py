@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
 from dataclasses import dataclass, field
 from typing import Callable
@@ -72,6 +73,29 @@ class Op:
         self.wrapper = fn
         fn.op = self
         return fn
+
+    def wraps_like(self, template: Callable, module: str, doc: str) -> Callable:
+        """The typed wrapper of an op whose arguments are those of ``template``'s op (a sibling
+        with another state format, e.g. ``sgd4bit_step_`` of ``sgd8bit_step_``): ``template``'s
+        signature and annotations (what ``inspect.signature`` shows), this op's name, the
+        ``module`` it is published in and its own ``doc``. It binds its arguments as
+        ``template`` does and calls this op as ``template`` calls its own: operands positionally,
+        every scalar by keyword."""
+        if self.schema[len(self.name):] != template.op.schema[len(template.op.name):]:
+            raise ValueError(f"{self.name}: wraps_like({template.op.name}) needs the same schema")
+        sig = inspect.signature(template)
+        op = self
+
+        def wrapper(*args, **kwargs):
+            bound = sig.bind(*args, **kwargs)
+            bound.apply_defaults()
+            return op(*bound.args, **bound.kwargs)
+
+        wrapper.__name__ = wrapper.__qualname__ = self.name
+        wrapper.__module__, wrapper.__doc__ = module, doc
+        wrapper.__signature__ = sig
+        wrapper.__annotations__ = dict(template.__annotations__)
+        return self.wraps(wrapper)
 
     @functools.cached_property
     def keyword_args(self) -> tuple:

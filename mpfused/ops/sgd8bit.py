@@ -12,7 +12,7 @@ from typing import Sequence
 
 from torch import Tensor
 
-from mpfused.ops.checks import check_step
+from mpfused.ops.checks import one_state_fake
 from mpfused.ops.registry import define_op
 from mpfused.reference import sgd8bit as ref
 
@@ -26,24 +26,10 @@ ARGS = ("(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
         "float max_grad_norm=0.0, int seed=0, int[] param_ids=[], int[] elem_offsets=[]) -> ()")
 
 
-def fake_for(name: str):
-    """The fake kernel of an op with ARGS (uint8 codes, fp32 absmax, an fp32 map)."""
-    def fake(params, grads, momentum_buffers, absmaxs, masters, steps, qmap, *, block_size, lr,
-             lr_tensor, momentum, dampening, weight_decay, nesterov, maximize, master_mode,
-             grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0,
-             seed=0, param_ids=(), elem_offsets=()):
-        check_step(name, params, grads, [("absmaxs", absmaxs, True)], masters, steps,
-                   codes=[("momentum_buffers", momentum_buffers)], qmaps=[("qmap", qmap)],
-                   master_mode=master_mode, lr_tensor=lr_tensor, grad_scale=grad_scale,
-                   found_inf=found_inf, norm_sq=norm_sq, param_ids=param_ids,
-                   elem_offsets=elem_offsets)
-    return fake
-
-
 _op = define_op(
     "sgd8bit_step_" + ARGS,
     reference=ref.sgd8bit_step_,
-    fake=fake_for("sgd8bit_step_"),
+    fake=one_state_fake("sgd8bit_step_", "momentum_buffers"),
     triton="mpfused.triton_kernels.sgd8bit:sgd8bit_step_",
 )
 

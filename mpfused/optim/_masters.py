@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import torch
 
+from mpfused.master_modes import FP32_MASTER, REMAINDER, REMAINDER8
 from mpfused.reference.adam import (remainder8_join, remainder8_split, remainder_join,
                                     remainder_split)
 
 # The state key of each master mode's masters operand (engine.MASTER_MODES values).
-MASTER_STATE_KEYS = {1: "master", 2: "master_remainder", 4: "master_remainder8"}
+MASTER_STATE_KEYS = {FP32_MASTER: "master", REMAINDER: "master_remainder",
+                     REMAINDER8: "master_remainder8"}
 
 
 def _local(t):

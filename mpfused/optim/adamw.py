@@ -70,11 +70,9 @@ class AdamW(FusedOptimizer):
     def _init_state(self, group, p) -> None:
         """Step and moments of a param without state; _sync_state_keys adds what the group's
         options need (masters, max_exp_avg_sq)."""
-        state = self.state[p]
-        if len(state) != 0:
+        state = self._start_state(group, p)
+        if state is None:
             return
-        self._master_mode(group, p)  # an invalid mode for this dtype fails before any state
-        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
         for key in ("exp_avg", "exp_avg_sq"):
             state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
 

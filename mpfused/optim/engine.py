@@ -1,7 +1,8 @@
 """The engine every fused mpfused optimizer plugs into: ``FusedOptimizer``.
 
 A subclass says what is particular to its algorithm: its constructor and defaults, the state of a
-new param (``_init_state``), its state keys in bitsandbytes' order (``_BNB_STATE_KEYS``), the operand
+new param (``_init_state``: ``_start_state`` gives the dict with its step counter; the default
+adds nothing), its state keys in bitsandbytes' order (``_BNB_STATE_KEYS``), the operand
 lists and op of a bucket (``_fill_operands``), the scalars of a launch (``_hyper``, ``_launch``)
 and the group options its plans depend on (``_plan_extra``). The engine gives every optimizer the
 rest: master weights of 16-bit params (fp32, int16 remainder, int8 correction, stochastic rounding) and their
@@ -19,6 +20,7 @@ from torch.optim.optimizer import Optimizer
 from mpfused.clip_grad import check_by_device
 from mpfused.device_copy import copy_to
 from mpfused.distributed import all_reduce_, found_inf_groups, reduce_norm_parts
+from mpfused.master_modes import FP32_MASTER, NO_MASTER, REMAINDER, REMAINDER8, STOCHASTIC
 from mpfused.optim._buckets import GroupPlan, build_buckets
 from mpfused.optim._checkpoint import (PER_ELEMENT_KEYS, _plain_dicts, _restore_fp32_state,
                                       _stash_fp32_state, check_state_shape)
@@ -28,8 +30,10 @@ from mpfused.optim._state_table import epoch as state_epoch, tracked
 
 __all__ = ["FusedOptimizer", "MASTER_MODES"]
 
-MASTER_MODES = {"none": 0, "fp32": 1, "remainder": 2, "remainder8": 4}
-_STOCHASTIC = 3
+# master_weights -> the ops' master_mode (mpfused/master_modes.py); "none" on bf16 params is
+# stochastic rounding.
+MASTER_MODES = {"none": NO_MASTER, "fp32": FP32_MASTER, "remainder": REMAINDER,
+                "remainder8": REMAINDER8}
 
 
 class FusedOptimizer(Optimizer):
@@ -177,7 +181,7 @@ class FusedOptimizer(Optimizer):
             raise ValueError(f"master_weights={mode!r} needs bfloat16 params, got {p.dtype} "
                              "(fp16 is not the top half of fp32)")
         if mode == "none":
-            return _STOCHASTIC if p.dtype == torch.bfloat16 else MASTER_MODES["none"]
+            return STOCHASTIC if p.dtype == torch.bfloat16 else MASTER_MODES["none"]
         return MASTER_MODES[mode]
 
     def _adopt_written_state(self, p) -> None:
@@ -269,8 +273,20 @@ class FusedOptimizer(Optimizer):
 
     # Required of every subclass (AdamW, SGD, Lion define them): the engine has no default.
     def _init_state(self, group, p) -> None:
-        """A new param's state (its step counter and per-element state)."""
-        raise NotImplementedError(f"{type(self).__name__} must define _init_state")
+        """A new param's state (its step counter and per-element state): an optimizer's is
+        ``_start_state`` and its per-element state (the default: the step counter only)."""
+        self._start_state(group, p)
+
+    def _start_state(self, group, p) -> dict | None:
+        """The state of a param without state, with its step counter (a 0-d fp32 zero), after the
+        master-mode check (an invalid mode for the dtype fails before any state); None when p
+        has state."""
+        state = self.state[p]
+        if len(state) != 0:
+            return None
+        self._master_mode(group, p)
+        state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+        return state
 
     def _fill_operands(self, group, b, st) -> None:
         """The bucket's state lists and its bound op, ``b.state["step_"]``."""

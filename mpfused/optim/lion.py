@@ -51,13 +51,10 @@ class Lion(FusedOptimizer):
         self._setup_engine(max_grad_norm, backend, seed)
 
     def _init_state(self, group, p) -> None:
-        state = self.state[p]
-        if len(state) != 0:
-            return
-        self._master_mode(group, p)  # an invalid mode for this dtype fails before any state
-        state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
-        state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32,
-                                            memory_format=torch.preserve_format)
+        state = self._start_state(group, p)
+        if state is not None:
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32,
+                                                memory_format=torch.preserve_format)
 
     def _fill_operands(self, group, b, st) -> None:
         s = b.state

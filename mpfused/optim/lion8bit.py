@@ -8,6 +8,10 @@ checkpoint format, FSDP2 / DCP) on ``Lion``.
   NaN kept), as bitsandbytes' Lion8bit computes it.
 * Params below ``min_8bit_size`` keep an fp32 ``exp_avg`` and take ``lion_step_``; 8-bit params
   take ``lion8bit_step_``.
+* ``block_size`` (``None``: the format's, 256 as bitsandbytes) and bitsandbytes' legacy
+  arguments (accepted, ignored): ``State8bit``'s.
+* ``Lion4bit`` (mpfused/optim/lion4bit.py) is this class with the 4-bit state format: the
+  constructor and flags here serve both.
 * ``state_dict()`` saves an 8-bit moment as ``state1`` / ``absmax1``; ``to_torch_state_dict()``
   gives the fp32 state_dict that ``mpfused.Lion`` loads (torch has no Lion), and ``mpfused.Lion``'s
   state_dict loads (quantized). ``to_bitsandbytes_state_dict()`` gives one that
@@ -29,8 +33,8 @@ class Lion8bit(State8bit, Lion):
     _OP_8BIT = lion8bit_ops.lion8bit_step_.op
 
     def __init__(self, params, lr: float | Tensor = 1e-4, betas=(0.9, 0.99),
-                 weight_decay: float = 0.0, *, block_size: int = 256, min_8bit_size: int = 4096,
-                 maximize: bool = False, master_weights: str = "fp32",
+                 weight_decay: float = 0.0, *, block_size: int | None = None,
+                 min_8bit_size: int = 4096, maximize: bool = False, master_weights: str = "fp32",
                  max_grad_norm: float | None = None, backend: str | None = None, seed: int = 0,
                  foreach=None, fused=None, differentiable: bool = False, **legacy):
         self._setup_8bit(block_size, min_8bit_size, legacy)

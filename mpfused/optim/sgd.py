@@ -60,13 +60,6 @@ class SGD(FusedOptimizer):
         self._setup_engine(max_grad_norm, backend, seed)
 
     # ---- state and operands -------------------------------------------------------------------
-    def _init_state(self, group, p) -> None:
-        state = self.state[p]
-        if len(state) != 0:
-            return
-        self._master_mode(group, p)  # an invalid mode for this dtype fails before any state
-        state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
-
     def _adopt_written_state(self, p) -> None:
         state = self.state[p]
         if "momentum_buffer" in state and state["momentum_buffer"] is None:

@@ -6,6 +6,10 @@ checkpoint format, FSDP2 / DCP) on ``SGD``.
 
 * ``momentum`` must be > 0, as in bitsandbytes' ``SGD8bit`` (the buffer is the only state):
   ``momentum=0`` raises NotImplementedError in the constructor, a group set to it ValueError.
+* ``block_size`` (``None``: the format's, 256 as bitsandbytes) and bitsandbytes' legacy
+  arguments (accepted, ignored): ``State8bit``'s.
+* ``SGD4bit`` (mpfused/optim/sgd4bit.py) is this class with the 4-bit state format: the
+  constructor, group rules and flags here serve both.
 * Everything else is ``torch.optim.SGD``'s, as ``mpfused.SGD``: the first step's buffer is the
   gradient itself, dampening, Nesterov, L2 weight decay, maximize, float or tensor lr.
   bitsandbytes' SGD8bit ignores ``dampening`` and ``nesterov`` (it steps ``buf = m*buf + g``):
@@ -38,14 +42,15 @@ class SGD8bit(State8bit, SGD):
 
     def __init__(self, params, lr: float | Tensor = 1e-3, momentum: float = 0,
                  dampening: float = 0, weight_decay: float | Tensor = 0, nesterov: bool = False,
-                 *, block_size: int = 256, min_8bit_size: int = 4096, maximize: bool = False,
-                 foreach=None, differentiable: bool = False, fused=None,
+                 *, block_size: int | None = None, min_8bit_size: int = 4096,
+                 maximize: bool = False, foreach=None, differentiable: bool = False, fused=None,
                  master_weights: str = "fp32", max_grad_norm: float | None = None,
                  backend: str | None = None, seed: int = 0, **legacy):
         if momentum == 0:
-            raise NotImplementedError("mpfused.SGD8bit: SGD without momentum is not supported "
-                                      "(as bitsandbytes' SGD8bit: the 8-bit state is the "
-                                      "momentum buffer); use mpfused.SGD")
+            peer = "as bitsandbytes' SGD8bit: " if self._STATE_BITS == 8 else ""
+            raise NotImplementedError(
+                f"mpfused.{type(self).__name__}: SGD without momentum is not supported ({peer}"
+                f"the {self._STATE_BITS}-bit state is the momentum buffer); use mpfused.SGD")
         self._setup_8bit(block_size, min_8bit_size, legacy)
         super().__init__(params, lr, momentum, dampening, weight_decay, nesterov,
                          maximize=maximize, foreach=foreach, differentiable=differentiable,
@@ -54,8 +59,9 @@ class SGD8bit(State8bit, SGD):
 
     def _check_group_rules(self, group, where: str) -> None:
         if not group["momentum"] > 0:
-            raise ValueError(f"{where} momentum={group['momentum']!r}: SGD8bit needs momentum "
-                             "> 0 (the 8-bit state is the momentum buffer); use mpfused.SGD")
+            raise ValueError(f"{where} momentum={group['momentum']!r}: {type(self).__name__} "
+                             f"needs momentum > 0 (the {self._STATE_BITS}-bit state is the "
+                             "momentum buffer); use mpfused.SGD")
 
     def _flags_8bit(self, group) -> dict:
         return dict(nesterov=bool(group["nesterov"]), maximize=bool(group["maximize"]))

@@ -5,7 +5,9 @@ SGD)``, ``Lion8bit(State8bit, Lion)``); the 8-bit class says only which state ke
 which map (``_QUANT_STATES``, bitsandbytes' order), its 8-bit op and the flags that op takes
 after the scalars (``_OP_8BIT``, ``_flags_8bit``), its group rules (``_check_group_rules``) and
 how its groups read in torch's and bitsandbytes' state_dicts (``_TORCH_GROUP_KEYS``,
-``_torch_group``, ``_bnb_group``; the engine's ``_adopt_saved_group``).
+``_torch_group``, ``_bnb_group``; the engine's ``_adopt_saved_group``). The width is
+``_STATE_BITS`` (8, or 4: torchao's 4-bit format); a 4-bit optimizer whose 8-bit class exists is
+that class with ``_STATE_BITS = 4`` and its op (``class SGD4bit(SGD8bit)``, ``Lion4bit(Lion8bit)``).
 
 Encoding (csrc/include/mpfused/quant8_math.h, mpfused/quant_maps.py)
 --------------------------------------------------------------------
@@ -99,6 +101,8 @@ __all__ = ["State8bit"]
 _LEGACY = {"optim_bits": 32, "args": None, "percentile_clipping": 100, "block_wise": True,
            "is_paged": False, "max_unorm": 0.0, "skip_zeros": False}
 _DEFAULTS_8BIT = dict(block_size=256, min_8bit_size=4096, optim_bits=8)
+# A constructor's block_size=None: the format's blocks (bitsandbytes' 256, torchao's 4-bit 128).
+_DEFAULT_BLOCK_SIZE = {8: 256, 4: 128}
 
 
 class State8bit:
@@ -113,11 +117,14 @@ class State8bit:
         super().__init_subclass__(**kwargs)
         cls._quant = parse_quant_states(cls._QUANT_STATES, cls._STATE_BITS)
 
-    def _setup_8bit(self, block_size: int, min_8bit_size: int, legacy: dict) -> None:
+    def _setup_8bit(self, block_size: int | None, min_8bit_size: int, legacy: dict) -> None:
         """Called before the 32-bit optimizer's __init__: the 8-bit group defaults that
-        add_param_group reads, and bitsandbytes' legacy arguments (accepted, ignored)."""
+        add_param_group reads (``block_size=None``: the format's, ``_DEFAULT_BLOCK_SIZE``), and
+        bitsandbytes' legacy arguments (accepted and ignored by the 8-bit format only)."""
         name = type(self).__name__
-        unknown = set(legacy) - set(_LEGACY)
+        if block_size is None:
+            block_size = _DEFAULT_BLOCK_SIZE[self._STATE_BITS]
+        unknown = set(legacy) - set(_LEGACY if self._STATE_BITS == 8 else ())
         if unknown:
             raise TypeError(f"{name}() got unexpected keyword arguments {sorted(unknown)}")
         for key, value in legacy.items():
@@ -192,13 +199,9 @@ class State8bit:
         return is_8bit_state(state, self._quant)
 
     def _init_state(self, group, p, want_8bit: bool = False) -> None:
-        state = self.state[p]
-        if len(state) != 0:
-            return
         if not want_8bit:
             return super()._init_state(group, p)  # the 32-bit optimizer's fp32 state
-        self._master_mode(group, p)  # an invalid mode for this dtype fails before any state
-        state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+        self._start_state(group, p)
         # The codes come from _sync_form (exact zeros), per local shard (blocks never straddle
         # shards); masters from the engine's _sync_state_keys, from p (DTensor masters).
 

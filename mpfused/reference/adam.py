@@ -5,7 +5,9 @@ import math
 
 import torch
 
-MASTER_NONE, MASTER_FP32, MASTER_REMAINDER, MASTER_STOCHASTIC, MASTER_REMAINDER8 = 0, 1, 2, 3, 4
+from mpfused import master_modes
+from mpfused.master_modes import FP32_MASTER, MASTER_DTYPE, REMAINDER, REMAINDER8, STOCHASTIC
+
 _M64 = (1 << 64) - 1
 
 
@@ -81,7 +83,7 @@ def round_to_24_bits(w32: torch.Tensor) -> torch.Tensor:
 
 
 def remainder8_split(w32: torch.Tensor):
-    """fp32 -> (bf16 param, int8 correction) of the 24-bit master (MASTER_REMAINDER8): the
+    """fp32 -> (bf16 param, int8 correction) of the 24-bit master (REMAINDER8): the
     correction is bits 8..15 of w rounded to 24 bits, the param bits 16..31 rounded to nearest,
     ties away from zero."""
     bits = round_to_24_bits(w32)
@@ -108,41 +110,35 @@ def bf16_stochastic(w32: torch.Tensor, r16: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_mode(p: torch.Tensor, master_mode: int) -> int:
-    """The master mode a kernel applies to p: remainders (int16, int8) and stochastic rounding
-    exist for bf16 only, an fp32 master for fp16/bf16, nothing for fp32 params (the kernels'
-    dispatch, adam_math.h's effective_master_mode)."""
-    if p.dtype == torch.bfloat16:
-        return master_mode
-    if p.dtype == torch.float16 and master_mode == MASTER_FP32:
-        return MASTER_FP32
-    return MASTER_NONE
+    """The master mode a kernel applies to p (mpfused/master_modes.py's kernel_mode)."""
+    return master_modes.kernel_mode(p.dtype, master_mode)
 
 
 def read_master(p, master, mode) -> torch.Tensor:
     """The fp32 value of a param as float64."""
-    if mode == MASTER_FP32:
+    if mode == FP32_MASTER:
         return master.double()
-    if mode == MASTER_REMAINDER:
+    if mode == REMAINDER:
         return remainder_join(p, master).double()
-    if mode == MASTER_REMAINDER8:
+    if mode == REMAINDER8:
         return remainder8_join(p, master).double()
     return p.double()
 
 
 def write_master(p, master, mode, w32, seed, t, stream) -> None:
     """Store the updated fp32 value w32 into the param (and its master) per the mode."""
-    if mode == MASTER_FP32:
+    if mode == FP32_MASTER:
         master.copy_(w32)
         p.copy_(w32)
-    elif mode == MASTER_REMAINDER:
+    elif mode == REMAINDER:
         hi, rem = remainder_split(w32.contiguous())
         p.copy_(hi)
         master.copy_(rem)
-    elif mode == MASTER_REMAINDER8:
+    elif mode == REMAINDER8:
         hi, rem = remainder8_split(w32.contiguous())
         p.copy_(hi)
         master.copy_(rem)
-    elif mode == MASTER_STOCHASTIC:
+    elif mode == STOCHASTIC:
         idx = torch.arange(p.numel(), device=p.device).reshape(p.shape)
         p.copy_(bf16_stochastic(w32, random16(step_seed(seed, t), stream, idx)))
     else:
@@ -188,7 +184,7 @@ def param_updates(params, grads, masters, steps, lr, lr_tensor, weight_decay, ma
         if p.numel() == 0:
             continue
         mode = kernel_mode(p, master_mode)
-        master = masters[i] if mode in (MASTER_FP32, MASTER_REMAINDER, MASTER_REMAINDER8) else None
+        master = masters[i] if mode in MASTER_DTYPE else None
         w = read_master(p, master, mode)
         g = grads[i].double() * mult
         if decoupled:
