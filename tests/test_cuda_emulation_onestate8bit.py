@@ -35,7 +35,8 @@ def _build_and_run(job, bits: int = 8) -> dict:
     """checker -> (rc, output) of the program built under that checker, run for `bits`-bit codes
     (tests/test_cuda_one_state4bit.py: 4); rc None: cut by the deadline. Objects and programs are
     built in parallel (in the background from collection on, shared with
-    tests/test_cuda_emulation.py and the 4-bit module where the same: tests/background_builds.py)."""
+    tests/test_cuda_emulation.py and the 4-bit module where the same:
+    tests/background_builds.py)."""
     tmp = Path(job.tmp)
     found = checkers(job)
     seed = int.from_bytes(os.urandom(4), "little")
