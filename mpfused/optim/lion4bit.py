@@ -4,8 +4,9 @@ map, blocks of 128 with one fp32 absmax each, two codes per byte, nearest code w
 rule), about 0.53 B/param of state instead of 4 (fp32) or 1.02 (``Lion8bit``). Neither
 bitsandbytes nor torchao has a 4-bit Lion: this is ``AdamW4bit``'s state kind (the engine's
 ``State8bit`` with ``_STATE_BITS = 4``, mpfused/optim/state8bit.py) on ``Lion``, stepping through
-``lion4bit_step_`` (the 8-bit one-state kernels specialized on 4-bit codes; native on the CPU,
-Triton on CUDA: no native CUDA kernel yet).
+``lion4bit_step_`` (the 8-bit one-state kernels specialized on 4-bit codes; native on the CPU and
+on CUDA, the CUDA kernel checked only by nvcc and the host emulation, never on a GPU; Triton on
+CUDA without a CUDA build).
 
 * The update is ``mpfused.Lion``'s (decoupled weight decay before the update, ``sign(0) = 0``,
   NaN kept); every master mode (``master_weights``), fused clipping, the scaler contract,

@@ -4,8 +4,9 @@ of 128 with one fp32 absmax each, two codes per byte, nearest code without a sig
 0.53 B/param of state instead of 4 (fp32) or 1.02 (``SGD8bit``). Neither bitsandbytes nor torchao
 has a 4-bit SGD: this is ``AdamW4bit``'s state kind (the engine's ``State8bit`` with
 ``_STATE_BITS = 4``, mpfused/optim/state8bit.py) on ``SGD``, stepping through ``sgd4bit_step_``
-(the 8-bit one-state kernels specialized on 4-bit codes; native on the CPU, Triton on CUDA: no
-native CUDA kernel yet).
+(the 8-bit one-state kernels specialized on 4-bit codes; native on the CPU and on CUDA, the CUDA
+kernel checked only by nvcc and the host emulation, never on a GPU; Triton on CUDA without a CUDA
+build).
 
 * ``momentum`` must be > 0 (the buffer is the only state): ``momentum=0`` raises
   NotImplementedError in the constructor, a group set to it ValueError.
