@@ -4,9 +4,10 @@ native kernel (else the reference) on the same inputs. One line per case:
 
     PASS|FAIL|SKIP  op  backend  dtype  mode  max_err  note
 
-SGD, Lion and their 8-bit forms (EXACT_FAMILIES) must equal the CPU kernel bit for bit: the same
-per-element functions run on both. The others pass within a tolerance and say whether they were
-exact. Every op has a native CUDA kernel (8-bit SGD / Lion since issue 22); an op without a
+SGD, Lion and their 8-bit and 4-bit forms (EXACT_FAMILIES) must equal the CPU kernel bit for bit:
+the same per-element functions run on both. The others pass within a tolerance and say whether
+they were exact. Every op has a native CUDA kernel (8-bit SGD / Lion since issue 22, 4-bit SGD /
+Lion since issue 24); an op without a
 kernel for a backend on the device (e.g. a CUDA extension built from an older commit, or Triton
 missing) gives a SKIP line, and the last line counts the verdicts and names those.
 

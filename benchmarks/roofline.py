@@ -1,7 +1,7 @@
 """Roofline of the native kernels: each kernel alone on one tensor (2^28 elements on a GPU) against a
 device copy that moves the same bytes (CUDA events, medians), and the 10,000-small-tensor step of
 each optimizer family (host us, GPU us, kernel launches per step and per kernel name by
-torch.profiler: the 8-bit prepare launches (Adam, SGD, Lion) show as prepare_kernel) against
+torch.profiler: the 8-bit / 4-bit prepare launches (Adam, SGD, Lion) show as prepare_kernel) against
 torch's fused step where torch has one.
 
 Bytes model: every operand read once and every in-place operand written once (grads are read
@@ -9,7 +9,7 @@ only), counted from the tensors' sizes: fp32 AdamW 28 B/param, bf16 + fp32 maste
 16 (+ absmax), 4-bit fp32 14 (+ absmax), check bf16 2; SGD without momentum 12 (read p, g; write p), SGD with momentum 20
 (read p, g, buf; write p, buf), Lion 20 (read p, g, m; write p, m); bf16 params with an fp32
 master: SGD 14 / SGD momentum 22 / Lion 22 (a 2-byte param and a 4-byte master, each read and
-written, a 2-byte grad); 8-bit SGD / Lion fp32 14 (+ absmax).
+written, a 2-byte grad); 8-bit SGD / Lion fp32 14 (+ absmax), 4-bit SGD / Lion fp32 13 (+ absmax).
 `fraction` = copy time / kernel time for the same bytes: 1.0 is the copy's bandwidth. A case
 whose op has no native kernel on the device (an extension built without it) is listed as
 skipped.
@@ -56,6 +56,8 @@ CASES = {
     "lion_bf16_master": ("lion_step_", torch.bfloat16, 1),
     "sgd8bit_fp32": ("sgd8bit_step_", torch.float32, 0, 0.9),
     "lion8bit_fp32": ("lion8bit_step_", torch.float32, 0),
+    "sgd4bit_fp32": ("sgd4bit_step_", torch.float32, 0, 0.9),
+    "lion4bit_fp32": ("lion4bit_step_", torch.float32, 0),
 }
 
 
@@ -98,13 +100,16 @@ def make_case(name: str, n: int, device: str):
                                 beta2=0.99, weight_decay=0.0, maximize=False, **tail,
                                 backend=BACKEND)), moved
     block = 256
-    if op in ("sgd8bit_step_", "lion8bit_step_"):
-        q = qm.signed_map(dev)
-        c, a = qm.quantize_blockwise(torch.zeros(n, device=dev), q, block)
+    if op in ("sgd8bit_step_", "lion8bit_step_", "sgd4bit_step_", "lion4bit_step_"):
+        q, quantize = qm.signed_map(dev), qm.quantize_blockwise
+        if op.endswith("4bit_step_"):  # 16-entry map, two codes per byte
+            from mpfused import quant4
+            q, quantize = quant4.signed4_map(dev), quant4.quantize4_blockwise
+        c, a = quantize(torch.zeros(n, device=dev), q, block)
         moved = 2 * (p.nbytes + c.nbytes + a.nbytes + sum(x.nbytes for x in masters)) + g.nbytes
         head = ([p], [g], [c], [a], masters, steps, q)
         hyper = (dict(lr=1e-3, lr_tensor=None, momentum=0.9, dampening=0.0, weight_decay=0.0,
-                      nesterov=False, maximize=False) if op == "sgd8bit_step_"
+                      nesterov=False, maximize=False) if op.startswith("sgd")
                  else dict(lr=1e-4, lr_tensor=None, beta1=0.9, beta2=0.99, weight_decay=0.0,
                            maximize=False))
         return (lambda: OPS[op](*head, block_size=block, **hyper, **tail,
@@ -157,6 +162,8 @@ SMALL = {
     "adamw4bit": {"mpfused": lambda ps: mpfused.AdamW4bit(ps, lr=1e-3, min_8bit_size=1)},
     "sgd8bit": {"mpfused": lambda ps: mpfused.SGD8bit(ps, lr=1e-3, momentum=0.9, min_8bit_size=1)},
     "lion8bit": {"mpfused": lambda ps: mpfused.Lion8bit(ps, lr=1e-4, min_8bit_size=1)},
+    "sgd4bit": {"mpfused": lambda ps: mpfused.SGD4bit(ps, lr=1e-3, momentum=0.9, min_8bit_size=1)},
+    "lion4bit": {"mpfused": lambda ps: mpfused.Lion4bit(ps, lr=1e-4, min_8bit_size=1)},
 }
 
 

@@ -1,8 +1,8 @@
 """The workload for compute-sanitizer (memcheck, racecheck, synccheck, initcheck) in gpu_suite.sh:
 every op of every backend once, on every case of the smoke test (benchmarks/smoke_cases.py: each
 dtype and master mode, SGD's plain / momentum / Nesterov variants; odd sizes, a tensor one element
-past an aligned start and a transposed one), the 8-bit steps (Adam, SGD, Lion) and the 4-bit Adam
-step at every block-size class (within a warp, one warp, several warps, a whole 4096 chunk), and
+past an aligned start and a transposed one), the 8-bit and 4-bit steps (Adam, SGD, Lion) at every
+block-size class (within a warp, one warp, several warps, a whole 4096 chunk), and
 per optimizer
 family two extra calls:
   * many tensors (MANY, 1-7 elements each; native only): more than one launch of the multi-tensor kernel and,
@@ -33,7 +33,8 @@ from benchmarks.smoke_cases import FAMILIES, cases, inputs
 from mpfused.ops import OPS
 
 BLOCKS_8BIT = (64, 128, 256, 4096)
-EIGHT_BIT = ("adam8bit_step_", "adam4bit_step_", "sgd8bit_step_", "lion8bit_step_")  # block-wise
+EIGHT_BIT = ("adam8bit_step_", "adam4bit_step_", "sgd8bit_step_", "lion8bit_step_",  # block-wise
+             "sgd4bit_step_", "lion4bit_step_")
 OPTIMIZERS = ("adam_step_", "sgd_step_", "lion_step_") + EIGHT_BIT
 MANY = 3600  # > 3,584: two prepare launches even with 32 KB parameters
 

@@ -5,23 +5,25 @@ transposed one).
 
 A case is (op, backend, dtype, mode). `mode` is the master mode (none / fp32-master / remainder /
 stochastic / remainder8), for SGD prefixed by the momentum variant (`plain/`, `momentum/`, `nesterov/`; the
-8-bit SGD has no plain variant: its buffer is its only state). `inputs()` gives the op's
+8-bit and 4-bit SGD have no plain variant: the buffer is their only state). `inputs()` gives the op's
 arguments in schema order and the tensors it writes, in the order params, state..., masters,
 steps (gpu_smoke's remainder join relies on it).
 """
 from __future__ import annotations
 
 FAMILIES = ("check_grads", "unscale_grads_", "update_scale_", "adam_step_", "adam8bit_step_",
-            "adam4bit_step_", "sgd_step_", "lion_step_", "sgd8bit_step_", "lion8bit_step_")
+            "adam4bit_step_", "sgd_step_", "lion_step_", "sgd8bit_step_", "lion8bit_step_",
+            "sgd4bit_step_", "lion4bit_step_")
 # the families whose native CUDA and Triton kernels run the CPU kernel's math to the bit (same
 # per-element functions, no reduction): gpu_smoke requires bit equality with the CPU kernel
-EXACT_FAMILIES = ("sgd_step_", "lion_step_", "sgd8bit_step_", "lion8bit_step_")
+EXACT_FAMILIES = ("sgd_step_", "lion_step_", "sgd8bit_step_", "lion8bit_step_", "sgd4bit_step_",
+                  "lion4bit_step_")
 DTYPES = ("fp32", "fp16", "bf16")
 MODES = {0: "none", 1: "fp32-master", 2: "remainder", 3: "stochastic", 4: "remainder8"}
 # the master modes each param dtype has (remainders and stochastic rounding are bf16's)
 DTYPE_MODES = {"fp32": (0,), "fp16": (0, 1), "bf16": (0, 1, 2, 3, 4)}
 SGD_VARIANTS = {"sgd_step_": ("plain", "momentum", "nesterov"),
-                "sgd8bit_step_": ("momentum", "nesterov")}
+                "sgd8bit_step_": ("momentum", "nesterov"), "sgd4bit_step_": ("momentum", "nesterov")}
 
 
 def cases(backends: list[str]) -> list[tuple]:
@@ -116,7 +118,7 @@ def inputs(op: str, dtype_name: str, mode: str, gen, block: int = 256, count: in
     q1 = qm.signed_map("cpu")
     if op in ("sgd8bit_step_", "lion8bit_step_", "sgd4bit_step_", "lion4bit_step_"):
         quantize = qm.quantize_blockwise
-        if op.endswith("4bit_step_"):  # (not in FAMILIES: no native CUDA kernel to smoke)
+        if op.endswith("4bit_step_"):  # torchao's 16-entry signed map, packed codes
             from mpfused import quant4
             q1, quantize = quant4.signed4_map("cpu"), quant4.quantize4_blockwise
         cq = [quantize(s, q1, block) for s in state()]

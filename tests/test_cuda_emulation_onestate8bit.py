@@ -31,10 +31,12 @@ CPU_UNITS = ["sgd8bit_cpu", "lion8bit_cpu", "quant8_cpu"]  # quant8_cpu: the enc
 PROGRAM = "one_state8bit_vs_cpu"
 
 
-def _build_and_run(job) -> dict:
-    """checker -> (rc, output) of the program built under that checker; rc None: cut by the
-    deadline. Objects are built in parallel (in the background from collection on, shared with
-    tests/test_cuda_emulation.py where the same: tests/background_builds.py)."""
+def _build_and_run(job, bits: int = 8) -> dict:
+    """checker -> (rc, output) of the program built under that checker, run for `bits`-bit codes
+    (tests/test_cuda_one_state4bit.py: 4); rc None: cut by the deadline. Objects and programs are
+    built in parallel (in the background from collection on, shared with
+    tests/test_cuda_emulation.py and the 4-bit module where the same:
+    tests/background_builds.py)."""
     tmp = Path(job.tmp)
     found = checkers(job)
     seed = int.from_bytes(os.urandom(4), "little")
@@ -66,12 +68,12 @@ def _build_and_run(job) -> dict:
                 if rc != 0:
                     return rc, out
                 paths.append(str(path))
-            exe = tmp / f"{PROGRAM}.{checker}"
-            rc, out = job.run([CXX, *FLAGS, *found[checker], *EMU_INC,
-                               str(EMU / f"{PROGRAM}.cpp"), *paths, "-o", str(exe)])
+            rc, out, exe = build_object(job, [CXX, *FLAGS, *found[checker], *EMU_INC,
+                                              str(EMU / f"{PROGRAM}.cpp"), *paths],
+                                        tmp / f"{PROGRAM}.{checker}")
             if rc != 0:
                 return rc, out
-            return job.run([str(exe), str(maps), str(seed)], env)
+            return job.run([str(exe), str(maps), str(seed), str(bits)], env)
 
         res = {c: f.result() for c, f in
                {c: ex.submit(build_and_run, c) for c in found}.items()}

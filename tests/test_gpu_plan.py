@@ -125,9 +125,9 @@ def test_smoke_and_sanitizer_cases_run_on_cpu():
 
 
 def test_smoke_cases_cover_the_new_kernels():
-    """Every SGD variant x dtype x master mode, every Lion dtype x mode, the 8-bit forms (SGD
-    without the plain variant), the 4-bit Adam step, each on native and Triton, every master mode
-    (remainder8 included: bf16); the new families judged bit for bit."""
+    """Every SGD variant x dtype x master mode, every Lion dtype x mode, the 8-bit and 4-bit forms
+    (SGD without the plain variant), the 4-bit Adam step, each on native and Triton, every master
+    mode (remainder8 included: bf16); the new families judged bit for bit."""
     from benchmarks.smoke_cases import EXACT_FAMILIES, FAMILIES, cases
     from benchmarks.sanitizer_driver import EIGHT_BIT
 
@@ -136,18 +136,24 @@ def test_smoke_cases_cover_the_new_kernels():
     for b in ("native", "triton"):
         assert len(modes("sgd_step_", b)) == 3 * 8 and len(modes("sgd8bit_step_", b)) == 2 * 8
         assert len(modes("lion_step_", b)) == 8 and len(modes("lion8bit_step_", b)) == 8
+        assert len(modes("sgd4bit_step_", b)) == 2 * 8 and len(modes("lion4bit_step_", b)) == 8
         assert ("bf16", "nesterov/remainder") in modes("sgd_step_", b)
-        assert not any(m.startswith("plain/") for _, m in modes("sgd8bit_step_", b))
+        for op in ("sgd8bit_step_", "sgd4bit_step_"):
+            assert not any(m.startswith("plain/") for _, m in modes(op, b)), op
         for op in ("adam_step_", "adam8bit_step_", "adam4bit_step_"):
             assert len(modes(op, b)) == 8 and ("bf16", "remainder8") in modes(op, b), op
         assert ("bf16", "nesterov/remainder8") in modes("sgd_step_", b)
-    # the 4-bit Adam step runs every block-size class in the sanitizer driver as the 8-bit ones
-    assert "adam4bit_step_" in FAMILIES and "adam4bit_step_" in EIGHT_BIT
+    # the 4-bit steps (Adam, SGD, Lion) run every block-size class in the sanitizer driver as the
+    # 8-bit ones, and are in every sanitizer's op list and the ncu cases
+    four = ("adam4bit_step_", "sgd4bit_step_", "lion4bit_step_")
+    assert all(op in FAMILIES and op in EIGHT_BIT for op in four)
     text = SUITE.read_text()
     for ops in re.findall(r"^(?:ALL|SHARED)_OPS=(\S+)$", text, re.M):
-        assert "adam4bit_step_" in ops.split(","), ops
+        assert set(four) <= set(ops.split(",")), ops
     assert "tests/test_cuda_adam4bit.py" in text and "adamw4bit_fp32" in text
-    assert set(EXACT_FAMILIES) == {"sgd_step_", "lion_step_", "sgd8bit_step_", "lion8bit_step_"}
+    assert "sgd4bit_fp32 lion4bit_fp32" in text and "--ignore=tests/test_cuda_one_state4bit.py" in text
+    assert set(EXACT_FAMILIES) == {"sgd_step_", "lion_step_", "sgd8bit_step_", "lion8bit_step_",
+                                   "sgd4bit_step_", "lion4bit_step_"}
 
 
 _TESTS_CUDA = '''
@@ -250,17 +256,21 @@ def test_dry_run(tmp_path):
         roof = json.loads(read("roofline.json"))
         kern = {k["case"]: k for k in roof["kernels"]}
         assert set(kern) == {"adamw_fp32", "adamw8bit_fp32", "adamw4bit_fp32", "check_bf16",
-                             "sgd_fp32", "sgd_momentum_fp32", "lion_fp32", "sgd8bit_fp32"}
+                             "sgd_fp32", "sgd_momentum_fp32", "lion_fp32", "sgd8bit_fp32",
+                             "sgd4bit_fp32"}
         # the bytes-moved models: AdamW 28, SGD 12 / 20 with momentum, Lion 20 (fp32)
         assert [kern[c]["bytes_per_elem"] for c in ("adamw_fp32", "sgd_fp32", "sgd_momentum_fp32",
                                                     "lion_fp32")] == [28.0, 12.0, 20.0, 20.0]
         assert ("skipped" in kern["sgd8bit_fp32"]) != OPS["sgd8bit_step_"].native_available("cpu")
         if "skipped" not in kern["adamw4bit_fp32"]:  # 4-bit: 14 B + the absmax (two per 256)
             assert kern["adamw4bit_fp32"]["bytes_per_elem"] == pytest.approx(14 + 16 / 256)
+        if "skipped" not in kern["sgd4bit_fp32"]:  # 4-bit SGD: 13 B + the absmax (one per 256)
+            assert kern["sgd4bit_fp32"]["bytes_per_elem"] == pytest.approx(13 + 8 / 256)
         assert {(s["case"].split("_")[0], s["who"]) for s in roof["small_step"]} == {
             ("adamw", "mpfused"), ("adamw", "torch-fused"), ("sgd", "mpfused"),
             ("sgd", "torch-fused"), ("lion", "mpfused"), ("adamw8bit", "mpfused"),
-            ("adamw4bit", "mpfused"), ("sgd8bit", "mpfused"), ("lion8bit", "mpfused")}
+            ("adamw4bit", "mpfused"), ("sgd8bit", "mpfused"), ("lion8bit", "mpfused"),
+            ("sgd4bit", "mpfused"), ("lion4bit", "mpfused")}
         assert roof["suite_provenance"].startswith("commit 0123456789abcdef0123")
     # nothing was written outside OUT but the copy's own results folder
     assert not (work / "gpu_out").exists()

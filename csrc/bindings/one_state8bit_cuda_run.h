@@ -1,10 +1,10 @@
-// The torch side of a CUDA one-state 8-bit step (cuda::sgd8bit_step, lion8bit_step: the operands
-// of one_state8bit_cuda.h), written once: device guard, lr, packing, the absmax / step / stream
-// operands, the device scalars, the per-step workspace, the launch, then the step counters. The
-// map's values are checked by the kernel on the device, not here: no path syncs with the host
-// (capturable). The workspace is a byte tensor from torch's caching allocator on the current
-// stream (a CUDA graph capture's private pool while capturing), freed when the call returns:
-// stream order keeps it alive for the launches.
+// The torch side of a CUDA one-state 8-bit or 4-bit step (cuda::sgd8bit_step, lion8bit_step: the
+// operands of one_state8bit_cuda.h), written once: device guard, lr, packing, the absmax / step /
+// stream operands, the device scalars, the per-step workspace, the launch, then the step
+// counters. The map's values are checked by the kernel on the device, not here: no path syncs
+// with the host (capturable). The workspace is a byte tensor from torch's caching allocator on
+// the current stream (a CUDA graph capture's private pool while capturing), freed when the call
+// returns: stream order keeps it alive for the launches.
 #pragma once
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -19,12 +19,12 @@
 
 namespace mpfused::bind {
 
-// Runs one step on the checked arguments (dev: the check's device).
+// Runs one step on the checked arguments (dev: the check's device) with BITS-bit codes (8 | 4).
 // launch(const TensorLists<kOneState8bitDepth>&, const cuda::State8bitCommon& q, workspace,
 // cudaStream_t) -> cudaError_t fills the op's config around q and calls its kernel;
 // workspace(bytes) returns a byte tensor on the device for it (keep it until the launch call
 // returns).
-template <typename Launch>
+template <int BITS, typename Launch>
 void run_one_state8bit_cuda(const at::Device& dev, at::TensorList params, at::TensorList grads,
                             at::TensorList codes, at::TensorList absmaxs, at::TensorList masters,
                             at::TensorList steps, const at::Tensor& qmap, int64_t block_size,
@@ -42,8 +42,11 @@ void run_one_state8bit_cuda(const at::Device& dev, at::TensorList params, at::Te
 
   const bool has_master = mode_has_masters(master_mode);
   // Codes follow the logical (row-major) order, so every operand is used contiguous: the others
-  // are staged (device copies, written back by finish()).
-  PackedLists<4> packed({params, grads, codes, has_master ? masters : at::TensorList()},
+  // are staged (device copies, written back by finish()). 4-bit codes (checked contiguous, half
+  // the size) are taken as they lie, like the absmax.
+  const at::TensorList no_list;
+  PackedLists<4> packed({params, grads, BITS == 8 ? codes : no_list,
+                         has_master ? masters : no_list},
                         {true, false, true, true}, "params", /*require_logical_order=*/true);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   if (!packed.numel.empty()) {
@@ -51,9 +54,11 @@ void run_one_state8bit_cuda(const at::Device& dev, at::TensorList params, at::Te
     std::vector<void*> am, step_ptrs;
     am.reserve(packed.index.size());
     step_ptrs.reserve(packed.index.size());
-    for (const int64_t i : packed.index) {
+    for (size_t j = 0; j < packed.index.size(); ++j) {
+      const int64_t i = packed.index[j];
       am.push_back(absmaxs[i].data_ptr());
       step_ptrs.push_back(steps[i].data_ptr());
+      if constexpr (BITS == 4) packed.ptrs[cuda::kS8State][j] = codes[i].data_ptr();
     }
     const std::vector<void*> streams =
         stream_operand(param_ids, elem_offsets, params.size(), packed.index);
@@ -79,6 +84,7 @@ void run_one_state8bit_cuda(const at::Device& dev, at::TensorList params, at::Te
     common.seed = uint64_t(seed);
     q.block_size = block_size;
     q.map = qmap.data_ptr<float>();
+    q.code_bits = BITS;
     auto workspace = [&](size_t bytes) {
       return at::empty({int64_t(bytes)}, at::TensorOptions().dtype(at::kByte).device(dev));
     };

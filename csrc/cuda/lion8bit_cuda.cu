@@ -1,5 +1,6 @@
-// CUDA multi-tensor Lion step with an 8-bit moment: lion_math.h's element (decoupled decay, sign
-// step, NaN kept) on the one-state 8-bit kernel (one_state8bit_cuda.cuh).
+// CUDA multi-tensor Lion step with an 8-bit or 4-bit moment (lion8bit_step_, lion4bit_step_:
+// cfg.q.code_bits): lion_math.h's element (decoupled decay, sign step, NaN kept) on the one-state
+// kernel (one_state8bit_cuda.cuh).
 #include "mpfused/lion_math.h"
 #include "one_state8bit_cuda.cuh"
 

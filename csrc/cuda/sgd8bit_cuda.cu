@@ -1,6 +1,6 @@
-// CUDA multi-tensor SGD step with an 8-bit momentum buffer: sgd_math.h's element (momentum,
-// dampening, Nesterov, L2 decay; t == 1 starts the buffer as the gradient) on the one-state 8-bit
-// kernel (one_state8bit_cuda.cuh).
+// CUDA multi-tensor SGD step with an 8-bit or 4-bit momentum buffer (sgd8bit_step_, sgd4bit_step_:
+// cfg.q.code_bits): sgd_math.h's element (momentum, dampening, Nesterov, L2 decay; t == 1 starts
+// the buffer as the gradient) on the one-state kernel (one_state8bit_cuda.cuh).
 #include "mpfused/sgd_math.h"
 #include "one_state8bit_cuda.cuh"
 

@@ -7,8 +7,9 @@ A separate op with lion8bit_step_'s schema, not a bits argument (as adam4bit_ste
 keyword-only (operands positional). The kernels are the 8-bit ones specialized on the code
 width: the same update (decoupled weight decay, maximize; NaN is kept, not signed to 0), master
 modes, in-kernel unscale (grad_scale), skip on found_inf > 0 (nothing changes, step counters
-included), fused clipping and stochastic-rounding streams. Native kernel: CPU only; on CUDA the
-router serves the Triton kernel."""
+included), fused clipping and stochastic-rounding streams. Native kernels: CPU and CUDA (the CUDA
+one only in a CUDA build, checked by nvcc and the host emulation, never on a GPU); without it the
+router serves the Triton kernel on CUDA."""
 from __future__ import annotations
 
 from mpfused.ops.checks import one_state_fake

@@ -10,7 +10,8 @@ positional). The kernels are the 8-bit ones specialized on the code width: the s
 (dampening, Nesterov, L2 weight decay, maximize; a tensor whose step counter is 0 starts its
 buffer as the gradient), master modes, in-kernel unscale (grad_scale), skip on found_inf > 0
 (nothing changes, step counters included), fused clipping and stochastic-rounding streams.
-Native kernel: CPU only; on CUDA the router serves the Triton kernel."""
+Native kernels: CPU and CUDA (the CUDA one only in a CUDA build, checked by nvcc and the host
+emulation, never on a GPU); without it the router serves the Triton kernel on CUDA."""
 from __future__ import annotations
 
 from mpfused.ops.registry import define_op

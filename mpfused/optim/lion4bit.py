@@ -5,7 +5,9 @@ rule), about 0.53 B/param of state instead of 4 (fp32) or 1.02 (``Lion8bit``). N
 bitsandbytes nor torchao has a 4-bit Lion: this is ``Lion8bit`` with ``AdamW4bit``'s state kind
 (the engine's ``State8bit`` with ``_STATE_BITS = 4``, mpfused/optim/state8bit.py): a subclass that
 sets only the width and its op, ``lion4bit_step_`` (the 8-bit one-state kernels specialized on
-4-bit codes; native on the CPU, Triton on CUDA: no native CUDA kernel yet); the constructor
+4-bit codes; native on the CPU and
+on CUDA, the CUDA kernel checked only by nvcc and the host emulation, never on a GPU; Triton on
+CUDA without a CUDA build); the constructor
 and flags are ``Lion8bit``'s (mpfused/optim/lion8bit.py).
 
 * ``block_size`` (``None``: the format's, 128 as torchao's 4-bit optimizers); bitsandbytes'

@@ -5,7 +5,9 @@ of 128 with one fp32 absmax each, two codes per byte, nearest code without a sig
 bitsandbytes nor torchao has a 4-bit SGD: this is ``SGD8bit`` with ``AdamW4bit``'s state kind
 (the engine's ``State8bit`` with ``_STATE_BITS = 4``, mpfused/optim/state8bit.py): a subclass that
 sets only the width and its op, ``sgd4bit_step_`` (the 8-bit one-state kernels specialized on
-4-bit codes; native on the CPU, Triton on CUDA: no native CUDA kernel yet); the constructor,
+4-bit codes; native on the CPU and
+on CUDA, the CUDA kernel checked only by nvcc and the host emulation, never on a GPU; Triton on
+CUDA without a CUDA build); the constructor,
 group rules and flags are ``SGD8bit``'s (mpfused/optim/sgd8bit.py).
 
 * ``momentum`` must be > 0 (the buffer is the only state): ``momentum=0`` raises

@@ -34,7 +34,9 @@ using namespace mpfused::cuda;
 using emu_test::Buf;
 using emu_test::elem_size;
 using emu_test::expect_same_bytes;
+using emu_test::plus_zero_code;
 using emu_test::put;
+using emu_test::put_code;
 
 namespace {
 
@@ -65,26 +67,6 @@ struct Maps {
   float m1[256], m2[256];
   int ncodes = 256;
 };
-
-// The +0 code of a map (-1 if none).
-int plus_zero_code(const float* m, int ncodes) {
-  int zc = -1;
-  for (int j = 0; j < ncodes; ++j)
-    if (m[j] == 0.f && !std::signbit(m[j])) zc = j;
-  return zc;
-}
-
-// Code c of element j of a state of `bits`-bit codes (4-bit: the nibble, the rest of the byte
-// kept).
-void put_code(Buf& b, int bits, int64_t j, int c) {
-  uint8_t* q = static_cast<uint8_t*>(b.ptr());
-  if (bits == 8) {
-    q[j] = uint8_t(c);
-  } else {
-    const int sh = (j & 1) ? 0 : 4;
-    q[j >> 1] = uint8_t((q[j >> 1] & ~(0xF << sh)) | ((c & 0xF) << sh));
-  }
-}
 
 void run_case(const Case& k, const Maps& maps8, const Maps& maps4, uint64_t seed) {
   std::mt19937_64 rng(seed);

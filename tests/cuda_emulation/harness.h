@@ -188,6 +188,26 @@ inline float get(Buf& b, int dt, int64_t i) {
   return dt == mpfused::kFloat16 ? mpfused::to_f32(mpfused::f16_t{h}) : mpfused::to_f32(mpfused::bf16_t{h});
 }
 
+// The +0 code of a map (-1 if none).
+inline int plus_zero_code(const float* m, int ncodes) {
+  int zc = -1;
+  for (int j = 0; j < ncodes; ++j)
+    if (m[j] == 0.f && !std::signbit(m[j])) zc = j;
+  return zc;
+}
+
+// Code c of element j of a state of `bits`-bit codes (4-bit: the nibble, the rest of the byte
+// kept).
+inline void put_code(Buf& b, int bits, int64_t j, int c) {
+  uint8_t* q = static_cast<uint8_t*>(b.ptr());
+  if (bits == 8) {
+    q[j] = uint8_t(c);
+  } else {
+    const int sh = (j & 1) ? 0 : 4;
+    q[j >> 1] = uint8_t((q[j >> 1] & ~(0xF << sh)) | ((c & 0xF) << sh));
+  }
+}
+
 // Byte-for-byte, guards included. NaN payloads compare as bits.
 inline void expect_same_bytes(const Buf& got, const Buf& exp, const char* what, const char* name,
                               size_t tensor) {
