@@ -33,7 +33,7 @@ from mpfused import quant_maps as qm
 from mpfused.ops import OPS
 from mpfused.reference.adam import remainder_join
 from tests.test_adam_kernels import bits_equal, kernel_mode
-from tests.test_adamw8bit import CASES
+from tests.test_adam8bit_kernels import CASES
 from tests.test_quant8 import _brute_nearest, _probe_values
 from tests.tolerances import OP_TOL
 

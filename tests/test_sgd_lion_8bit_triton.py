@@ -10,7 +10,7 @@ before the step), so errors never accumulate:
   OP_TOL[fp32] as the 32-bit states do (a one-element block can cancel: rtol alone is not enough).
 * codes: equal except where the state lies within those roundings of a decision threshold (or its
   absmax moved by an ulp): such a code is off by one, and rare (none in 537k elements of these
-  cases over 6 seeds; at most 2 per tensor allowed, as tests/test_adamw8bit.py).
+  cases over 6 seeds; at most 2 per tensor allowed, as tests/test_adam8bit_kernels.py).
 * step counters: exact. The first SGD step, the sign rule, a skipped step and NaN are checked
   exactly.
 """
