@@ -19,8 +19,8 @@ from mpfused.ops.bound import BoundOp
 from mpfused.reference import adam as ref
 from tests.conftest import DEVICES
 from tests.test_adam_kernels import (BF16, F16, F32, FP32_MASTER, NONE, REMAINDER, SHAPES,
-                                     STOCHASTIC, _sr_expected, bits_equal, clone_state,
-                                     kernel_mode)
+                                     STOCHASTIC, bits_equal, clone_state, kernel_mode)
+from tests.test_adam_master_modes import _sr_expected
 from tests.test_bound_ops import _NoPlainCall
 from tests.tolerances import LION_SIGN_RTOL, assert_close
 
