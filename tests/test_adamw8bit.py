@@ -22,13 +22,6 @@ def _sync_torch_from_8bit(opt8, p8, torch_opt, pt):
     torch_opt.load_state_dict(opt8.to_torch_state_dict())
 
 
-@pytest.fixture
-def one_thread():
-    """Many small torch ops: one thread is faster and steadier on a loaded 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def test_50_steps_against_torch_adamw_resynced(one_thread):

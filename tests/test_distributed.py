@@ -30,12 +30,6 @@ def fsdp_results():
         yield results
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _results(request, name, fixture=None):
