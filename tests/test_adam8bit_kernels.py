@@ -1,11 +1,14 @@
 """adam8bit_step_ on every backend against the float64 reference (found_inf skips bit for bit), and
 every CPU ISA build of the 8-bit kernel bit-identical (moved from tests/test_adamw8bit.py)."""
+import hashlib
+
 import pytest
 import torch
 
 import mpfused
 from mpfused import quant_maps as qm
 from mpfused.ops import adam8bit as ops
+from tests import isa_builds
 from tests.tolerances import OP_TOL
 
 OP_UNDER_TEST = "adam8bit_step_"
@@ -93,36 +96,33 @@ def test_found_inf_skips_everything_bit_identical(device, backend):
                            b.view(torch.uint8) if b.dtype == torch.bfloat16 else b)
 
 
-_ISA_SCRIPT = r"""
-import hashlib, sys, torch
-from mpfused import quant_maps as qm
-from mpfused.ops import adam8bit as ops
-seed = int(sys.argv[1])
-gen = torch.Generator().manual_seed(seed)
-h = hashlib.sha256()
-# every dtype / master mode; sizes with partial tiles and blocks, and a multi-chunk tensor
-for dtype, mode in [(torch.float32, 0), (torch.float16, 1), (torch.bfloat16, 2), (torch.bfloat16, 3)]:
-    sizes = [1, 63, 64, 65, 1000, 70001]
-    ps = [(torch.randn(n, generator=gen) * 0.1).to(dtype) for n in sizes]
-    c1s, c2s, a1s, a2s = [], [], [], []
-    for n in sizes:
-        c1, a1 = qm.quantize_blockwise(torch.randn(n, generator=gen) * 1e-3, qm.signed_map(), 256)
-        c2, a2 = qm.quantize_blockwise(torch.rand(n, generator=gen) * 1e-5, qm.unsigned_map(), 256)
-        c1s.append(c1), c2s.append(c2), a1s.append(a1), a2s.append(a2)
-    masters = ([p.float() + 1e-5 for p in ps] if mode == 1 else
-               [torch.randint(-2**15, 2**15, (n,), generator=gen, dtype=torch.int16) for n in sizes]
-               if mode == 2 else [])
-    steps = [torch.zeros(()) for _ in sizes]
-    for _ in range(3):
-        grads = [(torch.randn(n, generator=gen) * 1e-2).to(dtype) for n in sizes]
-        ops.adam8bit_step_(ps, grads, c1s, c2s, a1s, a2s, masters, steps, qm.signed_map(),
-                           qm.unsigned_map(), block_size=256, lr=1e-3, lr_tensor=None, beta1=0.9,
-                           beta2=0.999, eps=1e-8, weight_decay=1e-2, maximize=False,
-                           decoupled=True, master_mode=mode, backend="native")
-    for t in ps + c1s + c2s + a1s + a2s + masters:
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
-print(h.hexdigest())
-"""
+def isa_digest(seed: int) -> str:
+    """The bytes every dtype / master mode of the native 8-bit kernel writes (tests/isa_builds.py
+    runs it once per ISA build)."""
+    gen = torch.Generator().manual_seed(seed)
+    h = hashlib.sha256()
+    # every dtype / master mode; sizes with partial tiles and blocks, and a multi-chunk tensor
+    for dtype, mode in [(torch.float32, 0), (torch.float16, 1), (torch.bfloat16, 2), (torch.bfloat16, 3)]:
+        sizes = [1, 63, 64, 65, 1000, 70001]
+        ps = [(torch.randn(n, generator=gen) * 0.1).to(dtype) for n in sizes]
+        c1s, c2s, a1s, a2s = [], [], [], []
+        for n in sizes:
+            c1, a1 = qm.quantize_blockwise(torch.randn(n, generator=gen) * 1e-3, qm.signed_map(), 256)
+            c2, a2 = qm.quantize_blockwise(torch.rand(n, generator=gen) * 1e-5, qm.unsigned_map(), 256)
+            c1s.append(c1), c2s.append(c2), a1s.append(a1), a2s.append(a2)
+        masters = ([p.float() + 1e-5 for p in ps] if mode == 1 else
+                   [torch.randint(-2**15, 2**15, (n,), generator=gen, dtype=torch.int16) for n in sizes]
+                   if mode == 2 else [])
+        steps = [torch.zeros(()) for _ in sizes]
+        for _ in range(3):
+            grads = [(torch.randn(n, generator=gen) * 1e-2).to(dtype) for n in sizes]
+            ops.adam8bit_step_(ps, grads, c1s, c2s, a1s, a2s, masters, steps, qm.signed_map(),
+                               qm.unsigned_map(), block_size=256, lr=1e-3, lr_tensor=None, beta1=0.9,
+                               beta2=0.999, eps=1e-8, weight_decay=1e-2, maximize=False,
+                               decoupled=True, master_mode=mode, backend="native")
+        for t in ps + c1s + c2s + a1s + a2s + masters:
+            h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 @pytest.mark.skipif(not mpfused.ops.OPS[OP_UNDER_TEST].native_available("cpu"),
@@ -130,18 +130,5 @@ print(h.hexdigest())
 def test_every_cpu_isa_build_is_bit_identical():
     """The 8-bit CPU kernel is built per ISA (baseline, x86-64-v3, v4, v4 + VBMI byte-permute
     decode); MPFUSED_CPU_ISA caps the one picked. Every build must give the same bytes."""
-    import os
-    import subprocess
-    import sys
-    seed = str(int(torch.randint(0, 2**31, ()).item()))
-    # the four processes at once: most of each is importing torch and mpfused
-    procs = {isa: subprocess.Popen([sys.executable, "-c", _ISA_SCRIPT, seed],
-                                   env=dict(os.environ, MPFUSED_CPU_ISA=isa), text=True,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for isa in ("base", "v3", "v4", "vbmi")}
-    digests = {}
-    for isa, proc in procs.items():
-        out, err = proc.communicate()
-        assert proc.returncode == 0, (isa, err)
-        digests[isa] = out.strip()
+    digests = isa_builds.digests("adam8bit")
     assert len(set(digests.values())) == 1, digests
