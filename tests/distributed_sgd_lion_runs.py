@@ -2,7 +2,7 @@
 reference, and the worker main (run as ``python -m tests.distributed_sgd_lion_runs all RANK
 WORLD DIR``) that trains every DDP / FSDP2 scenario and takes every DCP checkpoint in one gloo
 process group, saving each rank's results with ``torch.save``. Model, data, wrapping and
-snapshots are tests/test_distributed.py's."""
+snapshots are tests/distributed_runs.py's."""
 from __future__ import annotations
 
 import os
@@ -12,9 +12,9 @@ import warnings
 
 import torch
 
-from tests.test_distributed import (CKPT_AT, INF_STEP, STEPS, UNAVAILABLE, WORLD, _wrap, batch,
-                                    kinds_of, loss_fn, make_model, make_scaler, params_of,
-                                    state_snapshot)
+from tests.distributed_runs import (CKPT_AT, INF_STEP, STEPS, UNAVAILABLE, WORLD, _wrap, batch,
+                                   kinds_of, loss_fn, make_model, make_scaler, params_of,
+                                   state_snapshot)
 
 # name: (engine, param dtype, optimizer, max_grad_norm)   (every run uses the GradScaler)
 CONFIGS = {
@@ -99,7 +99,7 @@ def _train_dist(name, rank, release=False):
 
 
 def _checkpoint(rank, ckpt_dir, name, **optim_kw):
-    """As tests/test_distributed.py's: train, DCP-save, continue; a fresh model/optimizer/scaler
+    """As tests/distributed_runs.py's: train, DCP-save, continue; a fresh model/optimizer/scaler
     loads the checkpoint (2 -> 2) and continues."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

@@ -25,7 +25,7 @@ import torch
 from mpfused import quant4 as q4
 from mpfused.quant_maps import encode, inv_scale
 from tests.distributed_4bit_runs import (EXACT_4BIT, LOSSY_4BIT, make, results, train_single)
-from tests.test_distributed import (CKPT_AT, STEPS, WORLD, kinds_of, make_scaler, params_of,
+from tests.distributed_runs import (CKPT_AT, STEPS, WORLD, kinds_of, make_scaler, params_of,
                                     state_snapshot)
 
 BLOCK = 128

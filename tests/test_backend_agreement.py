@@ -17,7 +17,7 @@ check backend
 (the scaler's ``backend="native"``) and the check op is compared on its own with that budget.
 
 SGD and Lion are compared through their optimizers (a few cases above) and op by op (sgd_step_,
-lion_step_ over the cases of tests/test_sgd_lion_triton.py; sgd8bit_step_, lion8bit_step_ over
+lion_step_ over the named cases of tests/test_sgd_lion_kernels.py; sgd8bit_step_, lion8bit_step_ over
 those of tests/test_sgd_lion_8bit_triton.py), skipped while the extension has no native CPU
 kernel for them."""
 import pytest
@@ -26,7 +26,7 @@ import torch
 import mpfused
 from mpfused.ops import OPS
 from tests import test_sgd_lion_8bit_triton as Q8
-from tests import test_sgd_lion_triton as SL
+from tests import test_sgd_lion_kernels as SL
 
 pytestmark = pytest.mark.skipif(
     not (OPS["adam_step_"].native_available("cpu") and "triton" in OPS["adam_step_"].available("cpu")),
@@ -166,25 +166,23 @@ def test_check_op_agrees_within_the_norm_budget(dtype):
 
 # ---- SGD and Lion op by op over many more option sets: Triton = native bit for bit -----------
 @NO_SGD_LION_NATIVE
-@pytest.mark.parametrize("case", SL.CASES, ids=SL.case_id)
+@pytest.mark.parametrize("case", SL.CASE_PARAMS)
 def test_sgd_lion_triton_equals_native_bit_for_bit(case):
-    """Every case of tests/test_sgd_lion_triton.py (dtypes x master modes x options: momentum,
+    """Every case of tests/test_sgd_lion_kernels.py (dtypes x master modes x options: momentum,
     dampening, Nesterov, L2 / decoupled decay, maximize, tensor lr, unscale, clipping, SR
     streams), STEPS steps from the same state and grads, the INF_STEP-th skipped by found_inf:
     params, masters, remainders, buffers / moments and step counters bit for bit."""
-    op, (dtypes, mode, opts) = case
-    tri = SL.make_state(SL.SHAPES, list(dtypes) if isinstance(dtypes, tuple) else dtypes, mode,
-                        "cpu")
+    op = case["op"]
+    tri, kw, scale, clip = SL.case_state(case, "cpu")
     nat = SL.clone_state(tri)
-    kw, scale, clip = SL.case_kwargs(op, opts, "cpu")
     for k in range(STEPS):
         SL.new_grads(tri, scale or 1.0)
         nat["grads"] = [g.clone() for g in tri["grads"]]
         extra = SL.scaler_args(tri, scale, clip)
         if k == INF_STEP:
             extra["found_inf"] = torch.ones(1)
-        SL.step(op, tri, "triton", master_mode=mode, **kw, **extra)
-        SL.step(op, nat, "native", master_mode=mode, **kw, **extra)
+        SL.step(op, tri, "triton", **kw, **extra)
+        SL.step(op, nat, "native", **kw, **extra)
         for key in SL.KEYS:
             for i, (a, b) in enumerate(zip(tri[key], nat[key])):
                 assert SL.bits_equal(a, b), f"{op} step {k}: {key}[{i}] differs"

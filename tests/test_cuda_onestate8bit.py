@@ -20,7 +20,7 @@ import torch
 
 from mpfused import _extension
 from tests import test_sgd_lion_8bit_triton as Q8
-from tests import test_sgd_lion_triton as SL
+from tests import test_sgd_lion_kernels as SL
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),

@@ -1,8 +1,8 @@
 """SGD, Lion, SGD8bit and Lion8bit inside DDP, FSDP2 and DCP (issue 22: "as for AdamW"), on CPU
 with gloo and 2 processes.
 
-Same method as tests/test_distributed.py (whose model, data, wrapping and snapshot helpers this
-file reuses; read its docstring): one launch of 2 worker processes
+Same method as tests/test_distributed.py (whose model, data, wrapping and snapshot helpers, in
+tests/distributed_runs.py, this file reuses; read its docstring): one launch of 2 worker processes
 (tests/distributed_sgd_lion_runs.py) runs every DDP, FSDP2 and checkpoint scenario in one process
 group, and the tests compare the results with single-process runs of the emulated
 2-rank data parallelism. Without clipping the runs must be bit-identical (params and every state
@@ -25,8 +25,8 @@ import torch
 from tests.distributed_sgd_lion_runs import (CKPT_CONFIGS, CONFIGS, EIGHT_BIT, RELEASE_CONFIGS,
                                              UNALIGNED, UNALIGNED_KW, _load_single, _reblocked,
                                              make_optim, train_single)
-from tests.test_distributed import (ALIGNED_8BIT_PARAMS, CKPT_AT, CLIP_TOL, STEPS, _launch,
-                                    make_model, params_of, state_snapshot)
+from tests.distributed_runs import (ALIGNED_8BIT_PARAMS, CKPT_AT, CLIP_TOL, STEPS, _launch,
+                                   make_model, params_of, state_snapshot)
 
 # Resuming from re-blocked (requantized) momentum, 4 steps (the runs are deterministic; measured
 # on this model). SGD8bit (lr 1e-2): the params follow the exact continuation within lr * the
@@ -47,12 +47,6 @@ def dist_results():
         yield results
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _results(request, job):

@@ -35,7 +35,7 @@ def expected_scale_trajectory(init, events, growth_interval, growth=2.0, backoff
 
 @pytest.mark.parametrize("optim,master", [("AdamW", "fp32"), ("AdamW", "remainder"),
                                           ("AdamW8bit", "fp32")])
-def test_non_finite_storm(optim, master):
+def test_non_finite_storm(one_thread, optim, master):
     """2000 steps with inf/NaN at random steps, tensors and positions (also the last element of an
     odd-sized tensor, also in one tensor of many): skipped steps change nothing, no NaN reaches a
     weight or a state, the scale follows the rule, training continues."""
@@ -171,7 +171,7 @@ def test_deterministic_run_to_run(device, backend, optim):
         assert torch.equal(a, b)
 
 
-def test_no_growth_over_10000_steps():
+def test_no_growth_over_10000_steps(one_thread):
     params = [torch.nn.Parameter(torch.randn(n).bfloat16()) for n in (3, 5, 7, 300)]
     opt = mpfused.AdamW(params)
     scaler = mpfused.GradScaler("cpu", growth_interval=100)

@@ -19,9 +19,7 @@ itself (nearest code, sign rule, the binary-search fallback), NaN, thread counts
 bit for bit.
 The step's contract (skip, unscale, errors, ...): tests/test_sgd_lion_8bit_contract.py;
 bitsandbytes' SGD8bit / Lion8bit: tests/test_sgd_lion_8bit_bnb.py."""
-import os
-import subprocess
-import sys
+import hashlib
 
 import pytest
 import torch
@@ -32,8 +30,9 @@ import mpfused.reference.sgd8bit as sgd_ref
 from mpfused import quant_maps as qm
 from mpfused.ops import OPS
 from mpfused.reference.adam import remainder_join
+from tests import isa_builds
 from tests.test_adam_kernels import bits_equal, kernel_mode
-from tests.test_adamw8bit import CASES
+from tests.test_adam8bit_kernels import CASES
 from tests.test_quant8 import _brute_nearest, _probe_values
 from tests.tolerances import OP_TOL
 
@@ -312,34 +311,23 @@ def test_bit_identical_for_any_thread_count(kind):
             assert all(bits_equal(x, y) for x, y in zip(d[k], outs[0][k])), k
 
 
-_ISA_SCRIPT = r"""
-import hashlib, sys, torch
-sys.path.insert(0, sys.argv[2])
-from tests.test_sgd_lion_8bit_kernels import CASES, KEYS, make_case, step
-h = hashlib.sha256()
-for kind in ("sgd", "lion"):
-    for dtype, mode in CASES:  # tiles, blocks and a multi-chunk tensor; first and later steps
-        c = make_case([1, 63, 64, 65, 1000, 70001], dtype, mode, 256, steps=(0, 4),
-                      seed=int(sys.argv[1]))
-        for _ in range(2):
-            step(kind, c, weight_decay=1e-2)
-        for k in KEYS:
-            for t in c[k]:
-                h.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-print(h.hexdigest())
-"""
+def isa_digest(seed: int) -> str:
+    """The bytes both kernels write over CASES (tests/isa_builds.py runs it once per ISA build)."""
+    h = hashlib.sha256()
+    for kind in ("sgd", "lion"):
+        for dtype, mode in CASES:  # tiles, blocks and a multi-chunk tensor; first and later steps
+            c = make_case([1, 63, 64, 65, 1000, 70001], dtype, mode, 256, steps=(0, 4), seed=seed)
+            for _ in range(2):
+                step(kind, c, weight_decay=1e-2)
+            for k in KEYS:
+                for t in c[k]:
+                    h.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 @needs_native
 def test_every_cpu_isa_build_is_bit_identical():
     """The kernels are built per ISA (baseline, x86-64-v3, v4, v4 + VBMI decode), capped by
     MPFUSED_CPU_ISA: every build must give the same bytes."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    seed = str(int(torch.randint(0, 2**31, ())))
-    digests = {}
-    for isa in ("base", "v3", "v4", "vbmi"):
-        out = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, seed, root], check=True,
-                             env=dict(os.environ, MPFUSED_CPU_ISA=isa), capture_output=True,
-                             text=True)
-        digests[isa] = out.stdout.strip().splitlines()[-1]
+    digests = isa_builds.digests("sgd_lion_8bit")
     assert len(set(digests.values())) == 1, digests

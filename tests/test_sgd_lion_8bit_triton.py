@@ -3,14 +3,14 @@ is) against the float64 references (mpfused/reference/sgd8bit.py, lion8bit.py).
 
 Each step is compared from identical inputs (the reference runs on a copy of the kernel's state
 before the step), so errors never accumulate:
-* params, masters, remainders, stochastic rounding: as tests/test_sgd_lion_triton.py (OP_TOL;
+* params, masters, remainders, stochastic rounding: as tests/test_sgd_lion_kernels.py (OP_TOL;
   1 ulp of a 16-bit param; >= 99% of stochastically rounded elements bit-identical).
 * absmax: the kernel's fp32 state differs from the reference's float64 state rounded to fp32 by
   a few fp32 roundings of the update's terms (grads ~1), so the block maxima agree within
   OP_TOL[fp32] as the 32-bit states do (a one-element block can cancel: rtol alone is not enough).
 * codes: equal except where the state lies within those roundings of a decision threshold (or its
   absmax moved by an ulp): such a code is off by one, and rare (none in 537k elements of these
-  cases over 6 seeds; at most 2 per tensor allowed, as tests/test_adamw8bit.py).
+  cases over 6 seeds; at most 2 per tensor allowed, as tests/test_adam8bit_kernels.py).
 * step counters: exact. The first SGD step, the sign rule, a skipped step and NaN are checked
   exactly.
 """
@@ -21,7 +21,7 @@ import torch
 
 from mpfused import quant_maps as qm
 from mpfused.ops import OPS
-from tests import test_sgd_lion_triton as SL
+from tests import test_sgd_lion_kernels as SL
 from tests.conftest import DEVICES
 from tests.tolerances import assert_close
 
@@ -144,7 +144,12 @@ LION_CASES = [
 CASES = [("sgd8bit_step_", c) for c in SGD_CASES] + [("lion8bit_step_", c) for c in LION_CASES]
 
 
-case_id = SL.case_id  # "sgd8bit-bfloat16-mode3-lr_tensor-block_size2048"...
+def case_id(case):  # "sgd8bit-bfloat16-mode3-lr_tensor-block_size2048"...
+    op, (dtypes, mode, opts) = case
+    dts = dtypes if isinstance(dtypes, tuple) else (dtypes,)
+    names = "+".join(dict.fromkeys(str(d).replace("torch.", "") for d in dts))
+    flags = [k if v is True or isinstance(v, list) else f"{k}{v}" for k, v in opts.items()]
+    return "-".join([op.split("_")[0], names, f"mode{mode}"] + flags)
 
 
 def case_state(op, case, device, steps=None):
