@@ -42,14 +42,13 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import threading
-from collections import defaultdict
 from itertools import repeat
 
 import torch
 
 from mpfused.ops.bound import BoundOp, check_and_record
 from mpfused.optim._release_clip import PreviousNormClip
+from mpfused.optim._release_ddp import DDPRelease
 from mpfused.optim._state_table import epoch as state_epoch, tracked
 
 __all__ = ["GradRelease", "step_in_backward"]
@@ -81,7 +80,7 @@ class _Chunk:
         self.order: tuple = ()  # the indices sorted: the ready set of a full chunk
 
 
-class GradRelease:
+class GradRelease(DDPRelease):
     def __init__(self, optimizer, *, scaler=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
                  clip: str | None = None, ddp=None):
         if not getattr(optimizer, "_checks_grads_in_step", False):
@@ -127,7 +126,7 @@ class GradRelease:
             self._group_base.append(self._group_base[-1] + len(g["params"]))
         self._epoch = self._state_obj = None
         self._entries: dict[tuple, _Entry] = {}  # (group index, ready indices) -> its update
-        self._ddp, self._lock = ddp, threading.Lock()
+        self._ddp = ddp
         if ddp is None:
             self._make_chunks()
         else:
@@ -159,25 +158,13 @@ class GradRelease:
                 self._chunk_of[id(p)] = (chunk, i)
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
-    def _watch_ddp(self, ddp) -> None:
-        self._where = {id(p): (gi, i) for gi, g in enumerate(self.optimizer.param_groups)
-                       for i, p in enumerate(g["params"])}
-        if any(hasattr(p, "to_local") for p in ddp.parameters()):
-            raise NotImplementedError("step_in_backward: DTensor params under DDP")
-        ddp.register_comm_hook(None, self._ddp_comm_hook)  # DDP allows one, before training
-
     def add_group(self, group_index: int) -> None:
         """``optimizer.add_param_group`` after attaching (called by it): the new group gets its
         release buckets and hooks (under DDP: its params are looked up in DDP's buckets, so they
         must be the DDP model's), and clip='previous' a zero previous sum for each new param."""
         params = self.optimizer.param_groups[group_index]["params"]
         if self._ddp is not None:
-            known = {id(p) for p in self._ddp.parameters()}
-            if not all(id(p) in known for p in params):
-                raise ValueError("step_in_backward(ddp=...): a param group added after "
-                                 "attaching must hold params of the DistributedDataParallel "
-                                 "model (its grads are released from DDP's buckets)")
-            self._where.update({id(p): (group_index, i) for i, p in enumerate(params)})
+            self._ddp_add_group(group_index, params)
         else:
             if any(hasattr(p, "to_local") for p in params):
                 raise NotImplementedError("step_in_backward: DTensor (FSDP2) params are not "
@@ -247,30 +234,6 @@ class GradRelease:
         chunk.ready.add(i)
         if len(chunk.ready) == len(chunk.indices):
             self._release(chunk)
-
-    def _ddp_comm_hook(self, _state, bucket):
-        """DDP's default all-reduce (averaging), then this bucket's update with the averaged grads
-        (as torch's optimizer-overlap hooks). Every rank sees the same grads, so every rank
-        skips the same buckets."""
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        def step(fut):
-            if self.optimizer._grad_release is self and not self._accumulating:
-                with self._lock, torch.no_grad():  # gloo may complete buckets on its threads
-                    self._ddp_step(bucket.parameters(), bucket.gradients())
-            return fut.value()
-        return allreduce_hook(None, bucket).then(step)
-
-    def _ddp_step(self, params, grads) -> None:
-        if not self._in_backward:
-            self._start_backward(params[0].device, queue_end=False)
-        by_group: dict[int, list] = defaultdict(list)
-        for p, g in zip(params, grads):
-            if id(p) in self._where:
-                by_group[self._where[id(p)][0]].append((self._where[id(p)][1], g))
-        for gi, items in by_group.items():
-            items.sort(key=lambda item: item[0])
-            self._update(gi, tuple(i for i, _ in items), [g for _, g in items])
 
     def _start_backward(self, device, queue_end: bool = True) -> None:
         self._in_backward, self._pending = True, False
