@@ -73,29 +73,49 @@ def _aligned(p, block: int) -> bool:
     return True
 
 
+def _dim_indices(p, d: int, device) -> torch.Tensor:
+    """Global indices along dim d of the local shard's entries, as DTensor places them: any
+    Shard-like placement of dim d (Shard, FSDP2 + TP's _StridedShard) taken to a 1-D arange
+    (each rank cuts its own copy: no collective); other dims' placements count as replicated.
+    The local shard is the product of these per-dim index sets."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    pls = []
+    for pl in p.placements:
+        strided = isinstance(pl, _StridedShard)  # not a Shard to is_shard()
+        if pl.is_replicate() or ((strided or pl.is_shard()) and pl.dim % p.ndim != d):
+            pls.append(Replicate())
+        elif strided:
+            pls.append(_StridedShard(0, split_factor=pl.split_factor))
+        elif pl.is_shard():
+            pls.append(Shard(0))
+        else:
+            raise NotImplementedError(
+                f"mpfused: the 8-bit / 4-bit state of a DTensor param with placements "
+                f"{tuple(p.placements)} cannot be checkpointed: Shard, _StridedShard and "
+                "Replicate placements are supported")
+    arange = torch.arange(p.shape[d], device=device)
+    return distribute_tensor(arange, p.device_mesh, pls, src_data_rank=None).to_local()
+
+
 def _global_block_index(p, block: int) -> torch.Tensor:
     """int64 tensor of the local shard's shape: the index of each local element's block in the
     unsharded param's (row-major) block layout."""
-    if not all(pl.is_replicate() or _plain_shard(pl) for pl in p.placements):
-        raise NotImplementedError(
-            f"mpfused: the 8-bit / 4-bit state of a DTensor param with placements "
-            f"{tuple(p.placements)} can only be checkpointed when its shards are block-aligned "
-            "(see mpfused.distributed); Shard and Replicate placements are supported")
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     local = _local(p)
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    if tuple(shape) != tuple(local.shape):
+    index = [_dim_indices(p, d, local.device) for d in range(p.ndim)]
+    shape = tuple(len(i) for i in index)
+    if shape != tuple(local.shape):
         raise RuntimeError(f"mpfused: local shard shape {tuple(local.shape)} differs "
-                           f"from its DTensor layout {tuple(shape)}")
+                           f"from its DTensor layout {shape}")
     idx = torch.zeros((), dtype=torch.int64, device=local.device)
     stride = 1
     for d in reversed(range(len(shape))):
         view = [1] * len(shape)
         view[d] = shape[d]
-        idx = idx + ((torch.arange(shape[d], device=local.device) + offset[d]) * stride).view(view)
+        idx = idx + (index[d] * stride).view(view)
         stride *= p.shape[d]
-    return (idx.expand(tuple(shape)) // block).contiguous()
+    return (idx.expand(shape) // block).contiguous()
 
 
 def _encode_scaled(values: torch.Tensor, absmax: torch.Tensor, qmap: torch.Tensor) -> torch.Tensor:

@@ -155,6 +155,33 @@ def _checkpoint(rank, ckpt_dir, name):
     return out
 
 
+def _load_1_to_2(rank, ckpt_dir, name):
+    """A one-process DCP checkpoint (rank 0 trains alone and saves with no_dist) loaded into the
+    2-rank FSDP2 model, which continues training."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if rank == 0:
+        model, opt, scaler = train_single(name, range(CKPT_AT))
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd, "scaler": scaler.state_dict()},
+                 checkpoint_id=ckpt_dir, no_dist=True)
+    dist.barrier()
+    model, opt, data = make(name, seed=123, rank=rank)
+    scaler = make_scaler()
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd, "scaler": scaler.state_dict()}
+    dcp.load(sd, checkpoint_id=ckpt_dir)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    scaler.load_state_dict(sd["scaler"])
+    out = {"loaded_state": state_snapshot(model, opt), "loaded_kinds": kinds_of(model, opt),
+           "loaded_params": params_of(model)}
+    run(model, opt, scaler, data, range(CKPT_AT, STEPS), rank)
+    out["resumed_params"], out["resumed_scale"] = params_of(model), scaler.get_scale()
+    return out
+
+
 def _torchao_round_trip(model, opt):
     """to_torchao_state_dict() of a sharded AdamW4bit, loaded into torchao's AdamW4bit over the
     same FSDP2 params, and back into a fresh mpfused.AdamW4bit."""
@@ -191,11 +218,10 @@ def _layout_paths(rank):
     dim-0 shards = the all-gather path, both directions, for odd, uneven and empty shards; a
     Shard(1) param (the all-gather path) saved and loaded, checked against full tensors."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     from mpfused import distributed_4bit as d4
-    from mpfused import quant4 as q4
-    from mpfused.quant_maps import encode, inv_scale
 
     mesh = init_device_mesh("cpu", (WORLD,))
     g = torch.Generator().manual_seed(7)  # the same draws on every rank
@@ -220,38 +246,86 @@ def _layout_paths(rank):
             torch.equal(d4._codes_to_bytes(p, elems), d4._gather_to_bytes(p, elems)),
             torch.equal(d4._bytes_to_codes(p, gbytes), d4._gather_from_bytes(p, gbytes)))
 
+    layouts = {"shard1": [Shard(1)], "strided0": [_StridedShard(0, split_factor=2)],
+               "strided1": [_StridedShard(1, split_factor=2)]}
+    for name, pls in layouts.items():
+        out[name + "_4bit"] = _reblock_4bit(mesh, pls, rank, g)
+        out[name + "_8bit"] = _reblock_8bit(mesh, pls, rank, g)
+    return out
+
+
+def _placed(mesh, pls, shape, g):
+    """(param, full(local) -> flat whole tensor, mine(whole) -> flat local tensor) of a param
+    of `shape` placed with `pls` on `mesh` (the full-tensor oracle's two directions)."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    p = distribute_tensor(torch.randn(shape, generator=g), mesh, pls, src_data_rank=None)
+    local = p.to_local()
+
+    def full(t):
+        return DTensor.from_local(t.view(local.shape), mesh, pls, run_check=False,
+                                  shape=p.shape, stride=p.stride()).full_tensor().reshape(-1)
+
+    def mine(t):
+        return DTensor.from_local(t.view(shape), mesh, [Replicate()], run_check=False).redistribute(
+            mesh, pls).to_local().reshape(-1)
+    return p, full, mine
+
+
+def _block_max(x, m, block):
+    return torch.nn.functional.pad(x, (0, -(-m // block) * block - m)).view(-1, block).amax(1)
+
+
+def _reblock_4bit(mesh, pls, rank, g):
+    """A re-blocked 4-bit save and load (placements whose local blocks are not the whole
+    param's: Shard(1), FSDP2 + TP's _StridedShard) against the full-tensor oracle."""
+    from mpfused import distributed_4bit as d4
+    from mpfused import quant4 as q4
+    from mpfused.quant_maps import encode, inv_scale
+
     shape, qmap, block = (6, 301), q4.signed4_map(), 128
-    p = distribute_tensor(torch.randn(shape, generator=g), mesh, [Shard(1)])
+    p, full, mine_of = _placed(mesh, pls, shape, g)
     local = p.to_local()
     n = local.numel()
     codes, absmax = q4.quantize4_blockwise(local * (rank + 1), qmap, block)
     gcodes, gabs = d4.to_global4(p, codes, absmax, qmap, block)
-
-    def full(t):  # a per-element local tensor -> the whole param's, flat
-        return DTensor.from_local(t.view(local.shape), mesh, [Shard(1)], run_check=False,
-                                  shape=p.shape, stride=p.stride()).full_tensor().reshape(-1)
-
-    def mine_of(t):  # the whole param's per-element tensor -> this rank's, flat
-        return DTensor.from_local(t.view(shape), mesh, [Replicate()], run_check=False).redistribute(
-            mesh, [Shard(1)]).to_local().reshape(-1)
-
-    def block_max(x, m):
-        return torch.nn.functional.pad(x, (0, -(-m // block) * block - m)).view(-1, block).amax(1)
-
     scale = absmax.repeat_interleave(block)[:n]
     values, scales = full(qmap[q4.unpack4(codes, n)] * scale), full(scale)
-    want_abs = block_max(scales, p.numel())
+    want_abs = _block_max(scales, p.numel(), block)
     per_elem = want_abs[torch.arange(p.numel()) // block]
     want_codes = encode(values * inv_scale(per_elem), qmap)
-    out["shard1_save"] = (torch.equal(gcodes.full_tensor(), q4.pack4(want_codes)),
-                          torch.equal(gabs.full_tensor(), want_abs))
+    save = torch.equal(gcodes.full_tensor(), q4.pack4(want_codes)) and torch.equal(
+        gabs.full_tensor(), want_abs)
     lcodes, labs = d4.from_global4(p, gcodes, gabs, qmap, block)
     gscale = mine_of(per_elem)
-    want_labs = block_max(gscale, n)
+    want_labs = _block_max(gscale, n, block)
     want_l = encode(qmap[mine_of(want_codes)] * gscale
                     * inv_scale(want_labs[torch.arange(n) // block]), qmap)
-    out["shard1_load"] = (torch.equal(lcodes, q4.pack4(want_l)), torch.equal(labs, want_labs))
-    return out
+    return save, torch.equal(lcodes, q4.pack4(want_l)) and torch.equal(labs, want_labs)
+
+
+def _reblock_8bit(mesh, pls, rank, g):
+    """The same for the 8-bit state (mpfused/distributed_8bit.py: the global absmax of a block
+    is the largest |value| it holds; a load re-quantizes per local block)."""
+    from mpfused import distributed_8bit as d8
+    from mpfused.quant_maps import quantize_blockwise, signed_map
+
+    shape, qmap, block = (6, 301), signed_map(), 256
+    p, full, mine_of = _placed(mesh, pls, shape, g)
+    local = p.to_local()
+    codes, absmax = quantize_blockwise(local * (rank + 1), qmap, block)
+    gcodes, gabs = d8._to_global(p, codes, absmax, qmap, block)
+    values = qmap[codes.long().reshape(-1)] * absmax.repeat_interleave(block)[:local.numel()]
+    whole = full(values)
+    want_abs = _block_max(whole.abs(), p.numel(), block)
+    per_elem = want_abs[torch.arange(p.numel()) // block]
+    want_codes = d8._encode_scaled(whole, per_elem, qmap)
+    save = torch.equal(gcodes.full_tensor().reshape(-1), want_codes) and torch.equal(
+        gabs.full_tensor(), want_abs)
+    lcodes, labs = d8._from_global(p, gcodes, gabs, qmap, block)
+    want_l = quantize_blockwise(qmap[mine_of(want_codes).long()] * mine_of(per_elem), qmap, block)
+    return save, torch.equal(lcodes.reshape(-1), want_l[0].reshape(-1)) and torch.equal(
+        labs, want_l[1])
 
 
 def _worker_main(launch, rank, world, out_dir):
@@ -274,6 +348,13 @@ def _worker_main(launch, rank, world, out_dir):
                 results[name] = _checkpoint(rank, os.path.join(out_dir, "ckpt_" + name), name)
             except Exception:  # noqa: BLE001
                 results[name] = {"error": traceback.format_exc()}
+            dist.barrier()
+        for name in ("fsdp4_all", "fsdp4_exact"):
+            try:
+                results["1to2_" + name] = _load_1_to_2(
+                    rank, os.path.join(out_dir, "ckpt1_" + name), name)
+            except Exception:  # noqa: BLE001
+                results["1to2_" + name] = {"error": traceback.format_exc()}
             dist.barrier()
         try:
             results["paths"] = _layout_paths(rank)

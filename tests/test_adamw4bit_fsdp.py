@@ -25,7 +25,8 @@ import torch
 from mpfused import quant4 as q4
 from mpfused.quant_maps import encode, inv_scale
 from tests.distributed_4bit_runs import (EXACT_4BIT, LOSSY_4BIT, make, results, train_single)
-from tests.test_distributed import CKPT_AT, STEPS, WORLD, make_scaler, params_of, state_snapshot
+from tests.test_distributed import (CKPT_AT, STEPS, WORLD, kinds_of, make_scaler, params_of,
+                                    state_snapshot)
 
 BLOCK = 128
 KEYS = {"exp_avg": True, "exp_avg_sq": False}  # state key: signed map
@@ -221,6 +222,38 @@ def test_load_2_to_1(name):
     assert scaler.get_scale() == cs[0]["final_scale"]
 
 
+@pytest.mark.parametrize("name", ["fsdp4_all", "fsdp4_exact"])
+def test_load_1_to_2(name):
+    """A one-process checkpoint loaded by 2 FSDP2 ranks: each rank's codes and absmax are the
+    oracle's re-blocking of the whole param's (exact where the blocks coincide), then training
+    continues (exact layouts: bit for bit as the uninterrupted one-process run)."""
+    cs = _results("1to2_" + name)
+    model, opt, scaler = train_single(name, range(CKPT_AT))
+    saved, kinds = state_snapshot(model, opt), kinds_of(model, opt)
+    train_single(name, range(CKPT_AT, STEPS), model, opt, scaler)
+    final = params_of(model)
+    for rank, c in enumerate(cs):
+        for pname, st in saved.items():
+            got = c["loaded_state"][pname]
+            assert got.keys() == st.keys(), pname
+            if kinds[pname]["exp_avg"][1] != "torch.uint8":  # fp32 state: a DTensor, exact
+                for key, v in st.items():
+                    assert torch.equal(got[key], v), (rank, pname, key)
+                continue
+            shape = c["loaded_params"][pname].shape
+            for key in KEYS:
+                codes, absmax = _local_ref(st[key], st[key + "_absmax"], shape, rank, key)
+                assert torch.equal(got[key], codes), (rank, pname, key)
+                assert torch.equal(got[key + "_absmax"], absmax), (rank, pname, key)
+        for k, v in final.items():
+            if name == "fsdp4_exact":
+                assert torch.equal(c["resumed_params"][k], v), f"rank {rank} {k}: 1 -> 2 diverged"
+            else:
+                torch.testing.assert_close(c["resumed_params"][k], v, **RESUME_TOL,
+                                           msg=lambda m: f"rank {rank} {k}: {m}")
+        assert c["resumed_scale"] == scaler.get_scale()
+
+
 def test_torchao_state_of_dtensor_params():
     """to_torchao_state_dict() of sharded params is torchao's FSDP2 state (a DTensor per param
     whose local tensor is OptimState4bit of the shard, or fp32 where torchao keeps fp32: local
@@ -250,10 +283,11 @@ def test_torchao_state_of_dtensor_params():
             assert torch.equal(t["back"][pname]["step"], ours["step"])
 
 
-def test_codes_move_point_to_point_as_all_gathered_and_shard1_layouts():
+def test_codes_move_point_to_point_as_all_gathered_and_reblocked_layouts():
     """Dim-0 shards (odd, uneven, one rank empty; FSDP2 and HSDP meshes): the point-to-point
-    move of codes to byte chunks and back equals the all-gather path; a Shard(1) param (FSDP2's
-    shard_placement_fn) saves and loads as the full-tensor oracle says."""
+    move of codes to byte chunks and back equals the all-gather path; Shard(1) (FSDP2's
+    shard_placement_fn) and _StridedShard of dim 0 or 1 (FSDP2 + TP on one dim) params save and
+    load their 4-bit and 8-bit state as the full-tensor oracle says."""
     for rank, paths in enumerate(_results("paths")):
         for layout, ok in paths.items():
             assert ok == (True, True), (rank, layout, ok)
