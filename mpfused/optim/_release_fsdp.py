@@ -80,6 +80,10 @@ class FSDPRelease:
         if not isinstance(model, FSDPModule):
             raise TypeError("fsdp must be the fully_shard (FSDP2) root module, got "
                             f"{type(model).__name__}")
+        if torch.torch_version.TorchVersion(torch.__version__) < (2, 5):
+            raise NotImplementedError(  # older FSDP2 never fires the hooks: nothing would step
+                "step_in_backward(fsdp=...) needs torch >= 2.5 (FSDP2 calls the sharded params' "
+                f"post-accumulate-grad hooks from 2.5 on), got {torch.__version__}")
         opt = self.optimizer
         where = {id(p): (gi, i) for gi, g in enumerate(opt.param_groups)
                  for i, p in enumerate(g["params"])}
