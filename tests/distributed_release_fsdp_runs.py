@@ -26,7 +26,8 @@ import traceback
 
 import torch
 
-from tests.test_distributed import UNAVAILABLE, _launch, _wrap, batch, loss_fn, make_model, make_scaler
+from tests.test_distributed import (UNAVAILABLE, _launch, _wrap, batch, loss_fn, make_model,
+                                    make_scaler)
 
 STEPS = 10
 NAN_STEP = 4
