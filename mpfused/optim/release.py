@@ -17,8 +17,9 @@ Rules (README, "Gradient release"):
 * Gradient accumulation: backward passes under ``with release.accumulate():`` keep their grads;
   the next backward outside it steps with the accumulated grads and frees them (exact).
 * Non-finite grads: every release bucket (``bucket_bytes`` of params adjacent in backward order;
-  under DDP, DDP's bucket) is checked before its update (read-only pass, no host sync; in the
-  same native call as the bucket's first update launch where the native kernels serve); a bucket
+  under DDP, DDP's bucket; under FSDP2, an FSDP param group) is checked before its update
+  (read-only pass, no host sync; in the same native call as the bucket's first update launch
+  where the native kernels serve, except under FSDP2); a bucket
   with an inf/NaN is not updated at all (params, masters, state, step counts untouched), the
   other buckets are. All-or-nothing is impossible once earlier buckets have stepped;
   ``release.skipped`` counts the skipped buckets of the last backward (a device tensor).
@@ -34,22 +35,32 @@ Rules (README, "Gradient release"):
 * DDP: ``step_in_backward(opt, ddp=model)`` steps each DDP bucket as soon as its all-reduce is
   done (a DDP communication hook, as torch's optimizer-overlap hooks), bit-identical to the
   ordinary DDP step; DDP keeps its own grad buckets, so the win there is the overlap, not the
-  grad memory. FSDP2 (DTensor params) is refused: its local grad is complete only after its
-  reduce-scatter. Several ranks without ``ddp=`` are refused (the hooks would fire before the
-  all-reduce).
+  grad memory.
+* FSDP2 (HSDP included): ``step_in_backward(opt, fsdp=model)`` (the fully_shard root): a release
+  bucket is one FSDP param group, updated on its local shards as soon as FSDP2 has written its
+  reduce-scattered grads (FSDP2 fires the sharded params' post-accumulate-grad hooks there,
+  torch >= 2.5); its grads are then freed (one flat reduce-scatter buffer per FSDP group: grad
+  memory is freed per group, not per param). The bucket's non-finite flag is MAX-all-reduced
+  over the mesh before its update, so every rank skips the same buckets (``_release_fsdp.py``).
+  Bit-identical to the ordinary FSDP2 step without non-finite grads. ``accumulate()`` keeps the
+  sharded grads (FSDP2 still reduce-scatters each micro-batch; ``set_requires_gradient_sync(
+  False)`` instead skips those, and then no hook fires until the synced backward).
+  ``clip="previous"`` is refused under FSDP2 (its norm would need a per-bucket all-reduce).
+* Several ranks without ``ddp=`` / ``fsdp=`` are refused (the hooks would fire before the
+  gradient reduction).
 """
 from __future__ import annotations
 
 import contextlib
 import operator
-import threading
-from collections import defaultdict
 from itertools import repeat
 
 import torch
 
 from mpfused.ops.bound import BoundOp, check_and_record
 from mpfused.optim._release_clip import PreviousNormClip
+from mpfused.optim._release_ddp import DDPRelease
+from mpfused.optim._release_fsdp import FSDPRelease
 from mpfused.optim._state_table import epoch as state_epoch, tracked
 
 __all__ = ["GradRelease", "step_in_backward"]
@@ -58,7 +69,7 @@ DEFAULT_BUCKET_BYTES = 4 * 2**20  # of grads: a few MiB keeps launches few and t
 
 
 def step_in_backward(optimizer, *, scaler=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                     clip: str | None = None, ddp=None) -> "GradRelease":
+                     clip: str | None = None, ddp=None, fsdp=None) -> "GradRelease":
     """Attach gradient release to an mpfused optimizer; returns the handle (``.accumulate()``,
     ``.skipped``, ``.remove()``). ``scaler``: the ``mpfused.GradScaler`` the losses are scaled
     with (its scale unscales the grads in the kernel). ``clip="previous"``: clip each bucket
@@ -66,8 +77,11 @@ def step_in_backward(optimizer, *, scaler=None, bucket_bytes: int = DEFAULT_BUCK
     (needed with ``max_grad_norm``; the handle's ``state_dict()`` carries it across a
     checkpoint). ``ddp``: the
     ``DistributedDataParallel`` model the optimizer's params belong to: each DDP bucket steps as
-    soon as its all-reduce is done (a DDP communication hook), with the averaged grads."""
-    return GradRelease(optimizer, scaler=scaler, bucket_bytes=bucket_bytes, clip=clip, ddp=ddp)
+    soon as its all-reduce is done (a DDP communication hook), with the averaged grads.
+    ``fsdp``: the fully_shard (FSDP2) root module: each FSDP param group steps on its local
+    shards as soon as its reduce-scatter is done (``bucket_bytes`` does not apply)."""
+    return GradRelease(optimizer, scaler=scaler, bucket_bytes=bucket_bytes, clip=clip, ddp=ddp,
+                       fsdp=fsdp)
 
 
 class _Chunk:
@@ -81,9 +95,9 @@ class _Chunk:
         self.order: tuple = ()  # the indices sorted: the ready set of a full chunk
 
 
-class GradRelease:
+class GradRelease(DDPRelease, FSDPRelease):
     def __init__(self, optimizer, *, scaler=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 clip: str | None = None, ddp=None):
+                 clip: str | None = None, ddp=None, fsdp=None):
         if not getattr(optimizer, "_checks_grads_in_step", False):
             raise TypeError("step_in_backward needs an mpfused optimizer, got "
                             f"{type(optimizer).__name__}")
@@ -102,12 +116,19 @@ class GradRelease:
                             "scaler checks grads in scaler.step, after release has freed them)")
         if ddp is not None and not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
             raise TypeError(f"ddp must be a DistributedDataParallel model, got {type(ddp)}")
-        if (ddp is None and torch.distributed.is_available() and torch.distributed.is_initialized()
-                and torch.distributed.get_world_size() > 1):
+        if ddp is not None and fsdp is not None:
+            raise ValueError("step_in_backward: pass ddp= or fsdp=, not both")
+        if fsdp is not None and clip is not None:
+            raise NotImplementedError(
+                "step_in_backward(fsdp=...): clip='previous' is not supported under FSDP2 (each "
+                "bucket's norm would need an all-reduce over the mesh); drop max_grad_norm or use "
+                "the ordinary step")
+        if (ddp is None and fsdp is None and torch.distributed.is_available()
+                and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
             raise NotImplementedError(
                 "step_in_backward: with several ranks pass ddp=<the DistributedDataParallel "
-                "model> (a param's grad-ready hook fires before DDP's all-reduce); FSDP2 is not "
-                "supported")
+                "model> or fsdp=<the fully_shard root module> (a param's grad-ready hook fires "
+                "before the gradient reduction)")
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
         self.optimizer, self.scaler, self.bucket_bytes, self.clip = (optimizer, scaler,
@@ -127,11 +148,13 @@ class GradRelease:
             self._group_base.append(self._group_base[-1] + len(g["params"]))
         self._epoch = self._state_obj = None
         self._entries: dict[tuple, _Entry] = {}  # (group index, ready indices) -> its update
-        self._ddp, self._lock = ddp, threading.Lock()
-        if ddp is None:
-            self._make_chunks()
-        else:
+        self._ddp, self._fsdp = ddp, fsdp
+        if ddp is not None:
             self._watch_ddp(ddp)
+        elif fsdp is not None:
+            self._watch_fsdp(fsdp)
+        else:
+            self._make_chunks()
         optimizer._grad_release = self
 
     # ---- set-up -----------------------------------------------------------------------------
@@ -147,8 +170,8 @@ class GradRelease:
                     continue
                 if hasattr(p, "to_local"):
                     raise NotImplementedError(
-                        "step_in_backward: DTensor (FSDP2) params are not supported: the local "
-                        "grad is complete only after FSDP's reduce-scatter")
+                        "step_in_backward: DTensor params need fsdp=<the fully_shard root "
+                        "module> (FSDP2 fires their hooks after its reduce-scatter)")
                 nbytes = p.numel() * p.element_size()
                 if chunk is None or (size and size + nbytes > self.bucket_bytes):
                     chunk, size = _Chunk(gi), 0
@@ -159,29 +182,16 @@ class GradRelease:
                 self._chunk_of[id(p)] = (chunk, i)
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
-    def _watch_ddp(self, ddp) -> None:
-        self._where = {id(p): (gi, i) for gi, g in enumerate(self.optimizer.param_groups)
-                       for i, p in enumerate(g["params"])}
-        if any(hasattr(p, "to_local") for p in ddp.parameters()):
-            raise NotImplementedError("step_in_backward: DTensor params under DDP")
-        ddp.register_comm_hook(None, self._ddp_comm_hook)  # DDP allows one, before training
-
     def add_group(self, group_index: int) -> None:
         """``optimizer.add_param_group`` after attaching (called by it): the new group gets its
         release buckets and hooks (under DDP: its params are looked up in DDP's buckets, so they
         must be the DDP model's), and clip='previous' a zero previous sum for each new param."""
         params = self.optimizer.param_groups[group_index]["params"]
         if self._ddp is not None:
-            known = {id(p) for p in self._ddp.parameters()}
-            if not all(id(p) in known for p in params):
-                raise ValueError("step_in_backward(ddp=...): a param group added after "
-                                 "attaching must hold params of the DistributedDataParallel "
-                                 "model (its grads are released from DDP's buckets)")
-            self._where.update({id(p): (group_index, i) for i, p in enumerate(params)})
+            self._ddp_add_group(group_index, params)
+        elif self._fsdp is not None:
+            self._fsdp_add_group()
         else:
-            if any(hasattr(p, "to_local") for p in params):
-                raise NotImplementedError("step_in_backward: DTensor (FSDP2) params are not "
-                                          "supported")
             self._make_chunks([group_index])
         self._group_base.append(self._group_base[-1] + len(params))
         if self._clip is not None:
@@ -248,30 +258,6 @@ class GradRelease:
         if len(chunk.ready) == len(chunk.indices):
             self._release(chunk)
 
-    def _ddp_comm_hook(self, _state, bucket):
-        """DDP's default all-reduce (averaging), then this bucket's update with the averaged grads
-        (as torch's optimizer-overlap hooks). Every rank sees the same grads, so every rank
-        skips the same buckets."""
-        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-
-        def step(fut):
-            if self.optimizer._grad_release is self and not self._accumulating:
-                with self._lock, torch.no_grad():  # gloo may complete buckets on its threads
-                    self._ddp_step(bucket.parameters(), bucket.gradients())
-            return fut.value()
-        return allreduce_hook(None, bucket).then(step)
-
-    def _ddp_step(self, params, grads) -> None:
-        if not self._in_backward:
-            self._start_backward(params[0].device, queue_end=False)
-        by_group: dict[int, list] = defaultdict(list)
-        for p, g in zip(params, grads):
-            if id(p) in self._where:
-                by_group[self._where[id(p)][0]].append((self._where[id(p)][1], g))
-        for gi, items in by_group.items():
-            items.sort(key=lambda item: item[0])
-            self._update(gi, tuple(i for i, _ in items), [g for _, g in items])
-
     def _start_backward(self, device, queue_end: bool = True) -> None:
         self._in_backward, self._pending = True, False
         self._found, self._flags = {}, {}
@@ -286,6 +272,9 @@ class GradRelease:
         for chunk in self._chunks:
             if chunk.ready:
                 self._release(chunk)
+        for bucket in self._fsdp_buckets:  # (the same on every rank: FSDP2 reduced the same)
+            if bucket.ready:
+                self._release_fsdp(bucket)
         self._in_backward = False
 
     def _release(self, chunk: _Chunk) -> None:
@@ -302,12 +291,14 @@ class GradRelease:
             for i in ready:
                 params[i].grad = None
 
-    def _update(self, group_index: int, ready: tuple, ready_grads: list) -> None:
+    def _update(self, group_index: int, ready: tuple, ready_grads: list,
+                checked: bool = False) -> None:
         """Check and update the params ``group["params"][i] for i in ready`` with these grads:
         one decision for all of them (the release bucket is the unit that is skipped, however
         the planner splits it by dtype and state kind), one update launch per planner bucket.
         Without clipping the check is part of the first launch (``BoundOp.check_first``: one
-        native call); with clip='previous' its per-grad sums of squares come first."""
+        native call); with clip='previous' its per-grad sums of squares come first. ``checked``:
+        the caller has checked and recorded the bucket's flag (FSDP2: all-reduced first)."""
         entry = self._entry(group_index, ready, ready_grads)
         if not entry.parts:
             return
@@ -315,8 +306,8 @@ class GradRelease:
         group = opt.param_groups[group_index]
         scale, inv, found, total = self._flags_on(entry.device)
         parts = [(b, list(pick(ready_grads)[:-1])) for b, pick in entry.parts]
-        clip_sq = None
-        if self._clip is None:
+        clip_sq, first = None, None
+        if self._clip is None and not checked:
             first = parts[0][0].state.get("step_")
             if isinstance(first, BoundOp):
                 first.check_first(ready_grads, found, inv, total, self.skipped)
@@ -324,8 +315,7 @@ class GradRelease:
                 first = None
                 check_and_record(ready_grads, found, inv, total, self.skipped,
                                  backend=opt._backend)
-        else:  # one norm for the release bucket, from all its parts' sums of squares
-            first = None
+        elif not checked:  # one norm for the release bucket, from all its parts' sums of squares
             clip_sq = self._clip.check_and_estimate([gs for _, gs in parts], entry.clip_ids,
                                                     found, inv, total, self.skipped, opt._backend)
         scaling = dict(grad_scale=scale, found_inf=found, norm_sq=clip_sq,

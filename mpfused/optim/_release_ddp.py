@@ -1,0 +1,58 @@
+"""Gradient release under DDP (``step_in_backward(opt, ddp=model)``): each DDP bucket steps in a
+DDP communication hook as soon as its all-reduce is done (as torch's optimizer-overlap hooks),
+with the averaged grads. A mixin of ``release.GradRelease``: it finds each DDP bucket's params
+in the optimizer's groups and hands them to the release's ``_update`` (the same check and
+update as a release bucket without DDP)."""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+
+import torch
+
+
+class DDPRelease:
+    """The DDP part of ``GradRelease`` (which provides ``optimizer``, ``_accumulating``,
+    ``_in_backward``, ``_start_backward`` and ``_update``)."""
+
+    def _watch_ddp(self, ddp) -> None:
+        self._lock = threading.Lock()
+        self._where = {id(p): (gi, i) for gi, g in enumerate(self.optimizer.param_groups)
+                       for i, p in enumerate(g["params"])}
+        if any(hasattr(p, "to_local") for p in ddp.parameters()):
+            raise NotImplementedError("step_in_backward: DTensor params under DDP")
+        ddp.register_comm_hook(None, self._ddp_comm_hook)  # DDP allows one, before training
+
+    def _ddp_add_group(self, group_index: int, params: list) -> None:
+        """A group added after attaching: its params are looked up in DDP's buckets, so they must
+        be the DDP model's."""
+        known = {id(p) for p in self._ddp.parameters()}
+        if not all(id(p) in known for p in params):
+            raise ValueError("step_in_backward(ddp=...): a param group added after "
+                             "attaching must hold params of the DistributedDataParallel "
+                             "model (its grads are released from DDP's buckets)")
+        self._where.update({id(p): (group_index, i) for i, p in enumerate(params)})
+
+    def _ddp_comm_hook(self, _state, bucket):
+        """DDP's default all-reduce (averaging), then this bucket's update with the averaged grads
+        (as torch's optimizer-overlap hooks). Every rank sees the same grads, so every rank
+        skips the same buckets."""
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        def step(fut):
+            if self.optimizer._grad_release is self and not self._accumulating:
+                with self._lock, torch.no_grad():  # gloo may complete buckets on its threads
+                    self._ddp_step(bucket.parameters(), bucket.gradients())
+            return fut.value()
+        return allreduce_hook(None, bucket).then(step)
+
+    def _ddp_step(self, params, grads) -> None:
+        if not self._in_backward:
+            self._start_backward(params[0].device, queue_end=False)
+        by_group: dict[int, list] = defaultdict(list)
+        for p, g in zip(params, grads):
+            if id(p) in self._where:
+                by_group[self._where[id(p)][0]].append((self._where[id(p)][1], g))
+        for gi, items in by_group.items():
+            items.sort(key=lambda item: item[0])
+            self._update(gi, tuple(i for i, _ in items), [g for _, g in items])
