@@ -1,7 +1,7 @@
 """The 2-process runs behind tests/test_release_fsdp.py: gradient release under FSDP2
 (``mpfused.step_in_backward(opt, fsdp=model)``) against the ordinary FSDP2 step, one gloo launch
 (``python -m tests.distributed_release_fsdp_runs all RANK WORLD DIR``; ``results()`` runs it once
-per pytest process). Model, data, wrapping and the launcher are tests/test_distributed.py's.
+per pytest process). Model, data, wrapping and the launcher are tests/distributed_runs.py's.
 
 The model's three Linear layers are fully_shard'ed one by one (the root holds no param): three
 FSDP param groups, i.e. three release buckets (fc3, fc2, fc1 in backward order). The optimizer
@@ -26,7 +26,7 @@ import traceback
 
 import torch
 
-from tests.test_distributed import (UNAVAILABLE, _launch, _wrap, batch, loss_fn, make_model,
+from tests.distributed_runs import (UNAVAILABLE, _launch, _wrap, batch, loss_fn, make_model,
                                     make_scaler)
 
 STEPS = 10
