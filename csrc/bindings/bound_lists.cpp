@@ -1,15 +1,23 @@
 // BoundLists (torch.classes.mpfused.BoundLists): the operand lists of an optimizer bucket other
 // than its grads, converted from Python once, on the bucket's first step. A step then converts only
 // its grads: with 10,000 small tensors, turning the op's Python tensor lists into C++ ones costs
-// ~145 ns per tensor, 70% of a plain op call. The methods call the declared ops (adam_step_,
-// adam8bit_step_, sgd_step_, lion_step_) unboxed through the dispatcher, so the kernel serving
-// them is whichever native kernel serves the op on the lists' device; nothing here is device
-// specific. Each step method has a released_ twin for gradient release: the release bucket's
-// non-finite check and the step in one call (release_check below).
+// ~145 ns per tensor, 70% of a plain op call. The methods call the declared step ops unboxed
+// through the dispatcher, so the kernel serving them is whichever native kernel serves the op on
+// the lists' device; nothing here is device specific. Each step method has a released_ twin for
+// gradient release: the release bucket's non-finite check and the step in one call
+// (release_check below). Both are made by one template from the op's C++ signature
+// (StepMethods): a new step op is one line of the registration at the end.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "op_signatures.h"
@@ -38,159 +46,44 @@ struct BoundLists : torch::CustomClassHolder {
     return at::TensorList(tensors.data() + starts[k], size_t(starts[k + 1] - starts[k]));
   }
 
-  void expect_lists(size_t want, const char* op, const char* names) const {
+  void expect_lists(size_t want, const std::string& op, const char* names) const {
     TORCH_CHECK(starts.size() == want + 1, "mpfused: BoundLists.", op, " needs the ", want,
                 " lists (", names, "), got ", starts.size() - 1);
   }
 
-  void adam_step_(at::TensorList grads, double lr, const std::optional<at::Tensor>& lr_tensor,
-                  double beta1, double beta2, double eps, double weight_decay, bool amsgrad,
-                  bool maximize, bool decoupled, int64_t master_mode,
-                  const std::optional<at::Tensor>& grad_scale,
-                  const std::optional<at::Tensor>& found_inf,
-                  const std::optional<at::Tensor>& norm_sq, double max_grad_norm, int64_t seed) {
-    expect_lists(6, "adam_step_",
-                 "params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps");
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("mpfused::adam_step_", "")
-                               .typed<AdamStepFn>();
-    op.call(list(0), grads, list(1), list(2), list(3), list(4), list(5), lr, lr_tensor, beta1,
-            beta2, eps, weight_decay, amsgrad, maximize, decoupled, master_mode, grad_scale,
-            found_inf, norm_sq, max_grad_norm, seed, param_ids, elem_offsets);
-  }
-
-  void adam8bit_step_(at::TensorList grads, const at::Tensor& qmap1, const at::Tensor& qmap2,
-                      int64_t block_size, double lr, const std::optional<at::Tensor>& lr_tensor,
-                      double beta1, double beta2, double eps, double weight_decay, bool maximize,
-                      bool decoupled, int64_t master_mode,
-                      const std::optional<at::Tensor>& grad_scale,
-                      const std::optional<at::Tensor>& found_inf,
-                      const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
-                      int64_t seed) {
-    expect_lists(7, "adam8bit_step_",
-                 "params, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters, steps");
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("mpfused::adam8bit_step_", "")
-                               .typed<Adam8bitStepFn>();
-    op.call(list(0), grads, list(1), list(2), list(3), list(4), list(5), list(6), qmap1, qmap2,
-            block_size, lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize, decoupled,
-            master_mode, grad_scale, found_inf, norm_sq, max_grad_norm, seed, param_ids,
-            elem_offsets);
-  }
-
-  // adam4bit_step_: the same schema as adam8bit_step_ (4-bit codes, 16-entry maps).
-  void adam4bit_step_(at::TensorList grads, const at::Tensor& qmap1, const at::Tensor& qmap2,
-                      int64_t block_size, double lr, const std::optional<at::Tensor>& lr_tensor,
-                      double beta1, double beta2, double eps, double weight_decay, bool maximize,
-                      bool decoupled, int64_t master_mode,
-                      const std::optional<at::Tensor>& grad_scale,
-                      const std::optional<at::Tensor>& found_inf,
-                      const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
-                      int64_t seed) {
-    expect_lists(7, "adam4bit_step_",
-                 "params, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters, steps");
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("mpfused::adam4bit_step_", "")
-                               .typed<Adam8bitStepFn>();
-    op.call(list(0), grads, list(1), list(2), list(3), list(4), list(5), list(6), qmap1, qmap2,
-            block_size, lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize, decoupled,
-            master_mode, grad_scale, found_inf, norm_sq, max_grad_norm, seed, param_ids,
-            elem_offsets);
-  }
-
-  void sgd_step_(at::TensorList grads, double lr, const std::optional<at::Tensor>& lr_tensor,
-                 double momentum, double dampening, double weight_decay, bool nesterov,
-                 bool maximize, int64_t master_mode, const std::optional<at::Tensor>& grad_scale,
-                 const std::optional<at::Tensor>& found_inf,
-                 const std::optional<at::Tensor>& norm_sq, double max_grad_norm, int64_t seed) {
-    expect_lists(4, "sgd_step_", "params, momentum_buffers, masters, steps");
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("mpfused::sgd_step_", "")
-                               .typed<SgdStepFn>();
-    op.call(list(0), grads, list(1), list(2), list(3), lr, lr_tensor, momentum, dampening,
-            weight_decay, nesterov, maximize, master_mode, grad_scale, found_inf, norm_sq,
-            max_grad_norm, seed, param_ids, elem_offsets);
-  }
-
-  void lion_step_(at::TensorList grads, double lr, const std::optional<at::Tensor>& lr_tensor,
-                  double beta1, double beta2, double weight_decay, bool maximize,
-                  int64_t master_mode, const std::optional<at::Tensor>& grad_scale,
-                  const std::optional<at::Tensor>& found_inf,
-                  const std::optional<at::Tensor>& norm_sq, double max_grad_norm, int64_t seed) {
-    expect_lists(4, "lion_step_", "params, exp_avgs, masters, steps");
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("mpfused::lion_step_", "")
-                               .typed<LionStepFn>();
-    op.call(list(0), grads, list(1), list(2), list(3), lr, lr_tensor, beta1, beta2,
-            weight_decay, maximize, master_mode, grad_scale, found_inf, norm_sq, max_grad_norm,
-            seed, param_ids, elem_offsets);
-  }
-  void sgd8bit_step_(at::TensorList grads, const at::Tensor& qmap, int64_t block_size, double lr,
-                     const std::optional<at::Tensor>& lr_tensor, double momentum,
-                     double dampening, double weight_decay, bool nesterov, bool maximize,
-                     int64_t master_mode, const std::optional<at::Tensor>& grad_scale,
-                     const std::optional<at::Tensor>& found_inf,
-                     const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
-                     int64_t seed) {
-    expect_lists(5, "sgd8bit_step_", "params, momentum_buffers, absmaxs, masters, steps");
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("mpfused::sgd8bit_step_", "")
-                               .typed<Sgd8bitStepFn>();
-    op.call(list(0), grads, list(1), list(2), list(3), list(4), qmap, block_size, lr, lr_tensor,
-            momentum, dampening, weight_decay, nesterov, maximize, master_mode, grad_scale,
-            found_inf, norm_sq, max_grad_norm, seed, param_ids, elem_offsets);
-  }
-
-  void lion8bit_step_(at::TensorList grads, const at::Tensor& qmap, int64_t block_size, double lr,
-                      const std::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
-                      double weight_decay, bool maximize, int64_t master_mode,
-                      const std::optional<at::Tensor>& grad_scale,
-                      const std::optional<at::Tensor>& found_inf,
-                      const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
-                      int64_t seed) {
-    expect_lists(5, "lion8bit_step_", "params, exp_avgs, absmaxs, masters, steps");
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("mpfused::lion8bit_step_", "")
-                               .typed<Lion8bitStepFn>();
-    op.call(list(0), grads, list(1), list(2), list(3), list(4), qmap, block_size, lr, lr_tensor,
-            beta1, beta2, weight_decay, maximize, master_mode, grad_scale, found_inf, norm_sq,
-            max_grad_norm, seed, param_ids, elem_offsets);
-  }
-
-  // sgd4bit_step_ / lion4bit_step_: the schemas of sgd8bit_step_ / lion8bit_step_ (4-bit codes,
-  // a 16-entry map).
-  void sgd4bit_step_(at::TensorList grads, const at::Tensor& qmap, int64_t block_size, double lr,
-                     const std::optional<at::Tensor>& lr_tensor, double momentum,
-                     double dampening, double weight_decay, bool nesterov, bool maximize,
-                     int64_t master_mode, const std::optional<at::Tensor>& grad_scale,
-                     const std::optional<at::Tensor>& found_inf,
-                     const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
-                     int64_t seed) {
-    expect_lists(5, "sgd4bit_step_", "params, momentum_buffers, absmaxs, masters, steps");
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("mpfused::sgd4bit_step_", "")
-                               .typed<Sgd8bitStepFn>();
-    op.call(list(0), grads, list(1), list(2), list(3), list(4), qmap, block_size, lr, lr_tensor,
-            momentum, dampening, weight_decay, nesterov, maximize, master_mode, grad_scale,
-            found_inf, norm_sq, max_grad_norm, seed, param_ids, elem_offsets);
-  }
-
-  void lion4bit_step_(at::TensorList grads, const at::Tensor& qmap, int64_t block_size, double lr,
-                      const std::optional<at::Tensor>& lr_tensor, double beta1, double beta2,
-                      double weight_decay, bool maximize, int64_t master_mode,
-                      const std::optional<at::Tensor>& grad_scale,
-                      const std::optional<at::Tensor>& found_inf,
-                      const std::optional<at::Tensor>& norm_sq, double max_grad_norm,
-                      int64_t seed) {
-    expect_lists(5, "lion4bit_step_", "params, exp_avgs, absmaxs, masters, steps");
-    static const auto op = c10::Dispatcher::singleton()
-                               .findSchemaOrThrow("mpfused::lion4bit_step_", "")
-                               .typed<Lion8bitStepFn>();
-    op.call(list(0), grads, list(1), list(2), list(3), list(4), qmap, block_size, lr, lr_tensor,
-            beta1, beta2, weight_decay, maximize, master_mode, grad_scale, found_inf, norm_sq,
-            max_grad_norm, seed, param_ids, elem_offsets);
+  // op(list 0, grads, list 1, ..., list N-1, rest..., param_ids, elem_offsets): the layout of
+  // every step op (op_signatures.h), N the bound lists.
+  template <class Fn, size_t... K, class... R>
+  void call(const c10::TypedOperatorHandle<Fn>& op, at::TensorList grads,
+            std::index_sequence<K...>, const R&... rest) const {
+    op.call(list(0), grads, list(K + 1)..., rest..., param_ids, elem_offsets);
   }
 };
+
+// A step op's handle, looked up on first use (the schemas are defined from Python, after this
+// library's static registration).
+template <class Fn>
+struct LazyOp {
+  explicit LazyOp(std::string name) : name(std::move(name)) {}
+  const c10::TypedOperatorHandle<Fn>& get() {
+    std::call_once(once, [this] {
+      handle.emplace(c10::Dispatcher::singleton().findSchemaOrThrow(name.c_str(), "")
+                         .template typed<Fn>());
+    });
+    return *handle;
+  }
+  std::string name;
+  std::once_flag once;
+  std::optional<c10::TypedOperatorHandle<Fn>> handle;
+};
+
+template <class... A>
+constexpr size_t leading_lists() {  // how many of the arguments A come first and are lists
+  constexpr bool is_list[] = {std::is_same_v<A, at::TensorList>..., false};
+  size_t n = 0;
+  while (is_list[n]) ++n;
+  return n;
+}
 
 // Gradient release (mpfused/optim/release.py), the part of a release bucket's update that
 // precedes its step: `found` (the bucket's own flag, reused from bucket to bucket) is cleared,
@@ -230,54 +123,75 @@ void release_check(at::TensorList check_grads, const at::Tensor& found,
   }
 }
 
-// BoundLists.released_<op>(check_grads, found, inv_scale, found_total, skipped, grads, <the
-// op's other arguments>): release_check, then the step, in one call from Python (the step's
-// found_inf argument is `found`).
-template <class Method>
-struct Released;
+// The two methods of a step op whose C++ signature is Fn (op_signatures.h): `<op>(grads, <the
+// op's arguments after its lists, but param_ids / elem_offsets>)` calls the op with the bound
+// lists; `released_<op>(check_grads, found, inv_scale, found_total, skipped, grads, ...)` runs
+// release_check first (the step's found_inf argument is `found`), in one call from Python. Every
+// op's methods are this one template; an op is one line of the registration below.
+template <class Fn>
+struct StepMethods;
 
 template <class... A>
-struct Released<void (BoundLists::*)(at::TensorList, A...)> {
-  template <void (BoundLists::*M)(at::TensorList, A...)>
-  static auto method() {
-    return [](const c10::intrusive_ptr<BoundLists>& self, at::TensorList check_grads,
-              const at::Tensor& found, const at::Tensor& inv_scale, const at::Tensor& found_total,
-              const at::Tensor& skipped, at::TensorList grads, A... args) {
-      release_check(check_grads, found, inv_scale, found_total, skipped);
-      ((*self).*M)(grads, args...);
+struct StepMethods<void(A...)> {
+  using Fn = void(A...);
+  using Args = std::tuple<A...>;
+  static constexpr size_t kLists = leading_lists<A...>();  // params, grads, the state lists
+  static constexpr size_t kBound = kLists - 1;             // all but the grads
+  static constexpr size_t kRest = sizeof...(A) - kLists - 2;
+  static_assert(kLists >= 2, "a step op starts with its params and grads lists");
+  static_assert(std::is_same_v<std::tuple_element_t<sizeof...(A) - 2, Args>, at::IntArrayRef> &&
+                    std::is_same_v<std::tuple_element_t<sizeof...(A) - 1, Args>, at::IntArrayRef>,
+                "a step op ends with param_ids and elem_offsets (bound with the lists)");
+  template <size_t I>
+  using Rest = std::tuple_element_t<kLists + I, Args>;
+
+  static void define(torch::class_<BoundLists>& cls, const std::string& name,
+                     const char* list_names) {
+    define(cls, name, list_names, std::make_index_sequence<kRest>{});
+  }
+
+  template <size_t... I>
+  static void define(torch::class_<BoundLists>& cls, const std::string& name,
+                     const char* list_names, std::index_sequence<I...>) {
+    auto op = std::make_shared<LazyOp<Fn>>("mpfused::" + name);
+    auto step = [op, name, list_names](const BoundLists& self, at::TensorList grads,
+                                       Rest<I>... rest) {
+      self.expect_lists(kBound, name, list_names);
+      self.call(op->get(), grads, std::make_index_sequence<kBound - 1>{}, rest...);
     };
+    cls.def(name, [step](const c10::intrusive_ptr<BoundLists>& self, at::TensorList grads,
+                         Rest<I>... rest) { step(*self, grads, rest...); });
+    cls.def("released_" + name,
+            [step](const c10::intrusive_ptr<BoundLists>& self, at::TensorList check_grads,
+                   const at::Tensor& found, const at::Tensor& inv_scale,
+                   const at::Tensor& found_total, const at::Tensor& skipped,
+                   at::TensorList grads, Rest<I>... rest) {
+              release_check(check_grads, found, inv_scale, found_total, skipped);
+              step(*self, grads, rest...);
+            });
   }
 };
-
-template <auto M>
-auto released() {
-  return Released<decltype(M)>::template method<M>();
-}
 
 }  // namespace
 
 // A fragment: the namespace's op schemas are defined from Python (mpfused/ops/registry.py).
 TORCH_LIBRARY_FRAGMENT(mpfused, m) {
-  m.class_<BoundLists>("BoundLists")
-      .def(torch::init<at::TensorList, at::IntArrayRef, at::IntArrayRef, at::IntArrayRef>())
-      .def("adam_step_", &BoundLists::adam_step_)
-      .def("released_adam_step_", released<&BoundLists::adam_step_>())
-      .def("adam8bit_step_", &BoundLists::adam8bit_step_)
-      .def("released_adam8bit_step_", released<&BoundLists::adam8bit_step_>())
-      .def("adam4bit_step_", &BoundLists::adam4bit_step_)
-      .def("released_adam4bit_step_", released<&BoundLists::adam4bit_step_>())
-      .def("sgd_step_", &BoundLists::sgd_step_)
-      .def("released_sgd_step_", released<&BoundLists::sgd_step_>())
-      .def("lion_step_", &BoundLists::lion_step_)
-      .def("released_lion_step_", released<&BoundLists::lion_step_>())
-      .def("sgd8bit_step_", &BoundLists::sgd8bit_step_)
-      .def("released_sgd8bit_step_", released<&BoundLists::sgd8bit_step_>())
-      .def("lion8bit_step_", &BoundLists::lion8bit_step_)
-      .def("released_lion8bit_step_", released<&BoundLists::lion8bit_step_>())
-      .def("sgd4bit_step_", &BoundLists::sgd4bit_step_)
-      .def("released_sgd4bit_step_", released<&BoundLists::sgd4bit_step_>())
-      .def("lion4bit_step_", &BoundLists::lion4bit_step_)
-      .def("released_lion4bit_step_", released<&BoundLists::lion4bit_step_>());
+  auto cls = m.class_<BoundLists>("BoundLists");
+  cls.def(torch::init<at::TensorList, at::IntArrayRef, at::IntArrayRef, at::IntArrayRef>());
+  StepMethods<AdamStepFn>::define(
+      cls, "adam_step_", "params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps");
+  // adam4bit_step_ has adam8bit_step_'s schema (4-bit codes, 16-entry maps), sgd4bit_step_ /
+  // lion4bit_step_ those of sgd8bit_step_ / lion8bit_step_ (4-bit codes, a 16-entry map).
+  for (const char* name : {"adam8bit_step_", "adam4bit_step_"})
+    StepMethods<Adam8bitStepFn>::define(
+        cls, name, "params, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters, steps");
+  StepMethods<SgdStepFn>::define(cls, "sgd_step_", "params, momentum_buffers, masters, steps");
+  StepMethods<LionStepFn>::define(cls, "lion_step_", "params, exp_avgs, masters, steps");
+  for (const char* name : {"sgd8bit_step_", "sgd4bit_step_"})
+    StepMethods<Sgd8bitStepFn>::define(cls, name,
+                                       "params, momentum_buffers, absmaxs, masters, steps");
+  for (const char* name : {"lion8bit_step_", "lion4bit_step_"})
+    StepMethods<Lion8bitStepFn>::define(cls, name, "params, exp_avgs, absmaxs, masters, steps");
 }
 
 }  // namespace mpfused::bind

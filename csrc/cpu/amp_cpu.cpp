@@ -57,7 +57,8 @@ void amp_check(const TensorLists<1>& grads, float inv_scale, bool write_back, fl
   const bool norm = norm_sq || norm_sq_per_tensor;
   std::vector<double> partial(norm ? nc : 0);
   uint32_t bad = 0;
-#pragma omp parallel for schedule(static) reduction(| : bad) num_threads(num_threads) if (nc > 1)
+#pragma omp parallel for schedule(static) reduction(| : bad) num_threads(num_threads) \
+    if (nc >= kMinParallelLightChunks)
   for (int64_t c = 0; c < nc; ++c) {
     const Chunk& k = chunks[c];
     const int32_t dt = grads.dtype[k.tensor];

@@ -25,6 +25,13 @@ struct Chunk {
 // 32Ki elements: large enough to amortize scheduling, small enough to balance 10,000 tiny tensors.
 constexpr int64_t kChunkSize = 1 << 15;
 
+// A light pass (the read-only non-finite check: ~3 us per chunk) forks threads only from this
+// many chunks on: below it the OpenMP region's fork and join cost more than they save, and on a
+// busy machine a region waits until every thread is scheduled (tails of milliseconds, measured
+// on a loaded 2-core VM). Gradient release checks each ~256 KiB bucket (4 chunks) on the calling
+// thread this way; a whole model's check (the scaler's) still runs in parallel.
+constexpr int64_t kMinParallelLightChunks = 16;
+
 inline std::vector<Chunk> make_chunks(const int64_t* numel, int64_t n, int64_t chunk = kChunkSize) {
   std::vector<Chunk> out;
   for (int64_t t = 0; t < n; ++t)

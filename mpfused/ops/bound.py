@@ -49,6 +49,7 @@ class BoundOp:
         self.device_type = lists[0][0].device.type if lists[0] else "cpu"
         self._native = _UNBUILT
         self._released = False  # the native lists have released_<op> (not a stale build)
+        self._step = self._released_step = None  # their methods, looked up once
         self._pre = None  # check_first's arguments, for the next call only
 
     def native(self):
@@ -62,6 +63,9 @@ class BoundOp:
                         [t for tensors in self.lists for t in tensors], [len(t) for t in self.lists],
                         self.param_ids, self.elem_offsets)
                     self._released = self._native._has_method("released_" + self.op.name)
+                    self._step = getattr(self._native, self.op.name)
+                    if self._released:
+                        self._released_step = getattr(self._native, "released_" + self.op.name)
                 except RuntimeError:  # a stale build: no such class
                     pass
         return self._native
@@ -82,9 +86,8 @@ class BoundOp:
                 self._check_keywords(scalars)
             ordered = [scalars.get(name, d) for name, d in self._keywords]
             if pre is not None:
-                return getattr(self._native, "released_" + self.op.name)(
-                    *pre, grads, *operands, *ordered)
-            return getattr(self._native, self.op.name)(grads, *operands, *ordered)
+                return self._released_step(*pre, grads, *operands, *ordered)
+            return self._step(grads, *operands, *ordered)
         if pre is not None:
             check_and_record(*pre, backend=backend)
         return self.op(self.lists[0], grads, *self.lists[1:], *operands, **scalars,

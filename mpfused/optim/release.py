@@ -141,6 +141,7 @@ class GradRelease(DDPRelease, FSDPRelease):
         self._in_backward = False
         self._found: dict[torch.device, torch.Tensor] = {}  # the backward's flag per device
         self._flags: dict = {}  # device -> _flags_on's tuple, for this backward
+        self._hypers: dict = {}  # (group index, device) -> the group's _hyper, for this backward
         self._bucket_found: dict[torch.device, torch.Tensor] = {}  # reused by every bucket
         self._clip = PreviousNormClip(optimizer) if clip == "previous" else None
         self._group_base = [0]  # flat position of each group's first param (for the clip)
@@ -260,7 +261,7 @@ class GradRelease(DDPRelease, FSDPRelease):
 
     def _start_backward(self, device, queue_end: bool = True) -> None:
         self._in_backward, self._pending = True, False
-        self._found, self._flags = {}, {}
+        self._found, self._flags, self._hypers = {}, {}, {}
         self.skipped = torch.zeros((), dtype=torch.int32, device=device)
         if self._clip is not None:
             self._clip.start(device)
@@ -321,7 +322,10 @@ class GradRelease(DDPRelease, FSDPRelease):
         scaling = dict(grad_scale=scale, found_inf=found, norm_sq=clip_sq,
                        max_grad_norm=float(opt.max_grad_norm or 0.0), seed=opt._seed)
         try:
-            hyper = opt._hyper(group, entry.device)
+            hyper = self._hypers.get((group_index, entry.device))
+            if hyper is None:  # once per group and backward (options change between steps)
+                hyper = self._hypers[(group_index, entry.device)] = opt._hyper(group,
+                                                                               entry.device)
             for b, gs in parts:
                 opt._launch(b, gs, group, hyper, scaling)
         finally:
