@@ -91,6 +91,9 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
   // remainder8: the int8 corrections widened to int16 per tile (see remainder8_join_wide)
   constexpr bool kWide8 = MODE == kRemainder8;
   alignas(64) int16_t rin[kWide8 ? kTile : 1], rout[kWide8 ? kTile : 1];
+  // 16-bit params: the new absmax in loops of their own over the tile's moments (as
+  // one_state8bit_kernel.h: the reduction's per-lane array would cap the update at 16 lanes).
+  constexpr bool kSplitMax = sizeof(T) == 2;
 
   int64_t prev_b0 = -1, prev_len = 0;
   float prev_r1 = 0.f, prev_r2 = 0.f;
@@ -131,9 +134,7 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
       // carries the other's masks.
       auto update = [&](auto pipe_tag) __attribute__((always_inline)) {
         constexpr bool PIPE = decltype(pipe_tag)::value;
-        uint32_t t1 = am1, t2 = am2;
-#pragma omp simd reduction(max : t1, t2)
-        for (int64_t j = 0; j < tl; ++j) {
+        auto step = [&](int64_t j) __attribute__((always_inline)) {
           const int64_t i = o + j;
           float w;
           if constexpr (kWide8) w = remainder8_join_wide(p[i].bits, rin[j]);
@@ -146,14 +147,26 @@ MPF_HD void adam8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t b
           else store_weight<T, MODE>(w, p, mst, i, seed, stream, begin + i);
           mc[j] = m;
           vc[j] = v;
-          const uint32_t b1 = f32_bits(fabsf(m)), b2 = f32_bits(fabsf(v));
-          t1 = t1 > b1 ? t1 : b1;
-          t2 = t2 > b2 ? t2 : b2;
           if constexpr (PIPE)
             encode_pair<LUT>(mp_[j], vp_[j], prev_r1, prev_r2, lut1, lut2, thr1, thr2, zc, out1[j], out2[j]);
+        };
+        if constexpr (kSplitMax) {
+#pragma omp simd
+          for (int64_t j = 0; j < tl; ++j) step(j);
+          am1 = absmax_bits(mc, tl, am1);
+          am2 = absmax_bits(vc, tl, am2);
+        } else {
+          uint32_t t1 = am1, t2 = am2;
+#pragma omp simd reduction(max : t1, t2)
+          for (int64_t j = 0; j < tl; ++j) {
+            step(j);
+            const uint32_t b1 = f32_bits(fabsf(mc[j])), b2 = f32_bits(fabsf(vc[j]));
+            t1 = t1 > b1 ? t1 : b1;
+            t2 = t2 > b2 ? t2 : b2;
+          }
+          am1 = t1;
+          am2 = t2;
         }
-        am1 = t1;
-        am2 = t2;
       };
       if (pipe) update(std::true_type{});
       else update(std::false_type{});

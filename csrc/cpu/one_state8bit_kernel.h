@@ -31,7 +31,8 @@ struct StateMap {
 // new absmax; pass 2 requantizes the block with it. Not pipelined as Adam's: pass 2's table
 // gathers take about two thirds of the step (perf), and pass 1, without Adam's divisions, has no
 // latency for them to hide in.
-// VBMI: decode without gathers (8-bit: VBMI byte permutes; 4-bit: AVX-512 vpermps).
+// VBMI: decode without gathers (8-bit: VBMI byte permutes; 4-bit: AVX-512 vpermps; the 4-bit
+// encode too: encode_tile4_avx512).
 template <class U, typename T, int MODE, bool LUT, int BITS, bool VBMI = false>
 MPF_HD void state8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t block,
                             const U& upd, const StateMap& sm, uint64_t seed, uint64_t stream) {
@@ -54,6 +55,11 @@ MPF_HD void state8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t 
   // remainder8: the int8 corrections widened to int16 per tile (see remainder8_join_wide)
   constexpr bool kWide8 = MODE == kRemainder8;
   alignas(64) int16_t rin[kWide8 ? kTile : 1], rout[kWide8 ? kTile : 1];
+  // 16-bit params: the new absmax in a loop of its own over the tile's updated state. In the
+  // update loop, the reduction's per-lane array (omp simd) has 16 lanes, which caps that loop at
+  // 16 elements a step: 256-bit vectors for the 16-bit operands, 2 x 256 for the floats (AVX-512:
+  // 512 / 2 x 512 without it).
+  constexpr bool kSplitMax = sizeof(T) == 2;
   for (int64_t b0 = 0; b0 < n; b0 += block) {
     const int64_t len = n - b0 < block ? n - b0 : block;
     const int64_t blk = (begin + b0) / block;
@@ -76,9 +82,8 @@ MPF_HD void state8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t 
       // weight decay): one loop per case, none with arithmetic under a condition, which
       // compilers do not vectorize (-ftrapping-math) and GCC only partly splits by itself.
       u.visit([&](const auto& uc) __attribute__((always_inline)) {
-        uint32_t tm = am;
-#pragma omp simd reduction(max : tm)
-        for (int64_t j = 0; j < tl; ++j) {
+        // element j's update; returns its new state
+        auto step = [&](int64_t j) __attribute__((always_inline)) {
           const int64_t i = o + j;
           float w;
           if constexpr (kWide8) w = remainder8_join_wide(p[i].bits, rin[j]);
@@ -87,16 +92,34 @@ MPF_HD void state8bit_chunk(void* const* ops, int64_t begin, int64_t n, int64_t 
           uc(w, to_f32(g[i]), s);
           if constexpr (kWide8) remainder8_split_wide(w, p[i].bits, rout[j]);
           else store_weight<T, MODE>(w, p, mst, i, seed, stream, begin + i);
-          sc[j] = s;
-          const uint32_t bits = f32_bits(fabsf(s));
-          tm = tm > bits ? tm : bits;
+          return s;
+        };
+        if constexpr (kSplitMax) {
+#pragma omp simd
+          for (int64_t j = 0; j < tl; ++j) sc[j] = step(j);
+          am = absmax_bits(sc, tl, am);
+        } else {
+          uint32_t tm = am;
+#pragma omp simd reduction(max : tm)
+          for (int64_t j = 0; j < tl; ++j) {
+            const float s = step(j);
+            sc[j] = s;
+            const uint32_t bits = f32_bits(fabsf(s));
+            tm = tm > bits ? tm : bits;
+          }
+          am = tm;
         }
-        am = tm;
       });
       if constexpr (kWide8) narrow_corrections(rout, mst + o, tl);
     }
     absmax[blk] = bits_f32(am);
     const float r = quant8_inv_scale(bits_f32(am));
+    if constexpr (VBMI && BITS == 4) {  // the whole block at once, no gathers (b0 is even)
+#if MPF_8BIT_ISAS
+      encode_tile4_avx512(thr, sb, r, c + b0 / 2, len);
+#endif
+      continue;
+    }
     for (int64_t t0 = 0; t0 < len; t0 += kTile) {
       const int64_t tl = len - t0 < kTile ? len - t0 : kTile;
       const float* __restrict sc = sb + t0;

@@ -61,6 +61,17 @@ MPF_HD void narrow_corrections(const int16_t* __restrict src, M* __restrict dst,
   for (int64_t j = 0; j < n; ++j) dst[j] = M(src[j]);
 }
 
+// max(am, the bits of max |s[j]| for j < n): the new absmax as bits, ordered as the floats for
+// non-negative values, a NaN (above inf) wins in any order (the CUDA kernels' rule).
+MPF_HD uint32_t absmax_bits(const float* __restrict s, int64_t n, uint32_t am) {
+#pragma omp simd reduction(max : am)
+  for (int64_t j = 0; j < n; ++j) {
+    const uint32_t b = f32_bits(fabsf(s[j]));
+    am = am > b ? am : b;
+  }
+  return am;
+}
+
 #if MPF_8BIT_ISAS
 // Byte position 16L + 4q + r (lane L, slot r of output vector q) takes code 16q + 4L + r: the
 // order in which decode_tile_vbmi's per-lane interleave leaves the floats in order.
@@ -124,6 +135,42 @@ constexpr DecodePerm kDecodePerm = make_decode_perm();
     _mm512_storeu_ps(out + j, _mm512_permutexvar_ps(idx, table));
   }
   for (; j < n; ++j) out[j] = map[quant4_code_at(codes, j)];
+}
+
+// The 4-bit encode of a tile (x86-64-v4): the code of s[j] * r for j < n, packed two per byte
+// from codes[0] (store_codes<4>'s layout from an even element: an odd n leaves the last low
+// nibble 0). quant4_encode step by step, its thresholds in one zmm register: each step looks up
+// the next threshold of 16 values with one vpermps and compares (ordered, false for NaN, as the
+// scalar `>`): the same codes as the scalar search and the LUT for every float32, with neither
+// the LUT's table gathers nor its 256 KiB in the cache. `thr`: the map's padded thresholds
+// (quant8_thresholds(map, thr, 16): thr[15] = +inf, never compared).
+[[maybe_unused]] MPF_8BIT_V4 void encode_tile4_avx512(const float* thr,
+                                                      const float* __restrict s, float r,
+                                                      uint8_t* __restrict codes, int64_t n) {
+  const __m512 table = _mm512_loadu_ps(thr);
+  const __m512 scale = _mm512_set1_ps(r);
+  const __m512 mid = _mm512_set1_ps(thr[7]);
+  const __m512i one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2);
+  const __m512i three = _mm512_set1_epi32(3), four = _mm512_set1_epi32(4);
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(s + j), scale);
+    __m512i c = _mm512_maskz_mov_epi32(_mm512_cmp_ps_mask(x, mid, _CMP_GT_OQ),
+                                       _mm512_set1_epi32(8));
+    __m512 t = _mm512_permutexvar_ps(_mm512_add_epi32(c, three), table);
+    c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(x, t, _CMP_GT_OQ), c, four);
+    t = _mm512_permutexvar_ps(_mm512_add_epi32(c, one), table);
+    c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(x, t, _CMP_GT_OQ), c, two);
+    t = _mm512_permutexvar_ps(c, table);
+    c = _mm512_mask_add_epi32(c, _mm512_cmp_ps_mask(x, t, _CMP_GT_OQ), c, one);
+    // element pairs as 32-bit words (even | odd << 16) -> one byte each: even << 4 | odd
+    const __m256i w = _mm512_cvtepi32_epi16(c);
+    const __m256i b = _mm256_or_si256(_mm256_slli_epi32(w, 4), _mm256_srli_epi32(w, 16));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + j / 2), _mm256_cvtepi32_epi8(b));
+  }
+  for (; j + 1 < n; j += 2)
+    codes[j / 2] = quant4_pack(quant4_encode(thr, s[j] * r), quant4_encode(thr, s[j + 1] * r));
+  if (j < n) codes[j / 2] = quant4_pack(quant4_encode(thr, s[j] * r), 0);
 }
 #endif
 
