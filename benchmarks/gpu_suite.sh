@@ -26,20 +26,29 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
-# caps (s) per phase, + RESERVE: verify 20+180+90+175+80 = 545+15, sanitize 20+180+120+70+50+60+45
+# caps (s) per phase, + RESERVE: first 20+180+90+120+135 = 545+15, verify 20+180+90+175+80 = 545+15, sanitize 20+180+120+70+50+60+45
 # = 545+15, roofline 20+180+140+205 = 545+15, bench 20+180+20+60+70+70+90 = 510+15,
 # jobs 20+180+20+3x105 = 535+15 (test_gpu_plan checks each against the 10-minute call)
 declare -A CAP=([env]=20 [build]=180
-  [smoke]=90 [tests_cuda]=175 [tests_rest]=80
+  [smoke]=90 [tests_cuda]=175 [tests_cuda_short]=135 [tests_rest]=80
   [memcheck]=120 [racecheck]=70 [synccheck]=50 [memcheck_triton]=60 [initcheck]=45
   [roofline]=140 [ncu]=205
   [wheels]=20 [bench_scaler]=60 [bench_adamw]=70 [bench_8bit]=70 [bench_sgd_lion]=90
   [main_job]=105 [main_job_sgd]=105 [main_job_lion]=105)
-declare -A PLAN=([verify]="env build smoke tests_cuda tests_rest"
+# first: the one call a 15-minute device loan affords (a start of a few minutes, one call of at
+# most 10, maybe a short second one on the warm machine): every kernel against the CPU, memcheck
+# over every native kernel, then as many of the CUDA tests as the budget leaves
+declare -A PLAN=([first]="env build smoke memcheck tests_cuda_short"
+  [verify]="env build smoke tests_cuda tests_rest"
   [sanitize]="env build memcheck racecheck synccheck memcheck_triton initcheck"
   [roofline]="env build roofline ncu"
   [bench]="env build wheels bench_scaler bench_adamw bench_8bit bench_sgd_lion"
   [jobs]="env build wheels main_job main_job_sgd main_job_lion")
+# the GPU's own test files (tests_cuda), in this order; tests_rest runs every other file
+CUDA_TESTS="tests/test_cuda_kernels.py tests/test_cuda_adam_kernels.py tests/test_cuda_adam8bit.py
+  tests/test_cuda_adam8bit_contract.py tests/test_cuda_adam4bit.py tests/test_sgd_lion_kernels.py
+  tests/test_cuda_onestate8bit.py"
+CUDA_TESTS=$(echo $CUDA_TESTS)
 # the op families the sanitizers drive (an op with no kernel on the device is skipped and named)
 ALL_OPS=check_grads,unscale_grads_,update_scale_,adam_step_,adam8bit_step_,adam4bit_step_,sgd_step_,lion_step_,sgd8bit_step_,lion8bit_step_,sgd4bit_step_,lion4bit_step_
 # racecheck: the kernels with shared memory and barriers (amp reductions, 8-bit search tables,
@@ -52,7 +61,7 @@ BUDGET=${GPU_SUITE_BUDGET:-560}
 RESERVE=15  # seconds kept for stamping and the archive
 
 if [ "${1:-}" = --plan ]; then
-  for ph in verify sanitize roofline bench jobs; do
+  for ph in first verify sanitize roofline bench jobs; do
     tot=$RESERVE; line=""
     for s in ${PLAN[$ph]}; do tot=$((tot + CAP[$s])); line+=" $s:${CAP[$s]}"; done
     echo "$ph total=$tot budget=$BUDGET reserve=$RESERVE$line"
@@ -223,17 +232,15 @@ for s in ${PLAN[$phase]}; do
       step smoke smoke.log python3 -m benchmarks.gpu_smoke --device $dev --backends $smoke_backends \
         --timeout 30 --jobs $smoke_jobs --out "$run/smoke.txt" ${GPU_SUITE_SMOKE_ONLY:+--only "$GPU_SUITE_SMOKE_ONLY"}
       note smoke.log '^smoke: ' ;;
-    tests_cuda)
+    tests_cuda|tests_cuda_short)
       # the GPU's own tests first, in their own process: a sticky CUDA error there cannot fail the rest
       # shellcheck disable=SC2086
-      run_pytest tests_cuda junit-cuda.xml ${GPU_SUITE_TESTS_CUDA:-tests/test_cuda_kernels.py tests/test_cuda_adam8bit.py \
-        tests/test_cuda_adam4bit.py tests/test_sgd_lion_kernels.py tests/test_cuda_onestate8bit.py} ;;
+      run_pytest $s junit-cuda.xml ${GPU_SUITE_TESTS_CUDA:-$CUDA_TESTS} ;;
     tests_rest)
       # everything else (CUDA-parametrized tests included); the host emulation, the Triton AOT and
       # nvcc compile checks are CI's stand-ins for this machine, and the dry run of this plan is CI's
       # shellcheck disable=SC2086
-      run_pytest tests_rest junit-rest.xml ${GPU_SUITE_TESTS_REST:-tests --ignore=tests/test_cuda_kernels.py \
-        --ignore=tests/test_cuda_adam8bit.py --ignore=tests/test_cuda_adam4bit.py --ignore=tests/test_sgd_lion_kernels.py --ignore=tests/test_cuda_emulation.py \
+      run_pytest tests_rest junit-rest.xml ${GPU_SUITE_TESTS_REST:-tests ${CUDA_TESTS//tests\//--ignore=tests/} --ignore=tests/test_cuda_emulation.py \
         --ignore=tests/test_cuda_onestate8bit.py --ignore=tests/test_cuda_emulation_onestate8bit.py \
         --ignore=tests/test_cuda_one_state4bit.py \
         --ignore=tests/test_triton_compile.py --ignore=tests/test_cuda_compile.py --ignore=tests/test_cuda_compile_onestate8bit.py \

@@ -38,7 +38,7 @@ def test_time_caps_fit_one_device_call():
         kv = dict(f.split("=") for f in fields if "=" in f)
         steps = {k: int(v) for k, v in (f.split(":") for f in fields if ":" in f)}
         phases[name] = (int(kv["total"]), int(kv["budget"]), steps)
-    assert set(phases) == {"verify", "sanitize", "roofline", "bench", "jobs"}
+    assert set(phases) == {"first", "verify", "sanitize", "roofline", "bench", "jobs"}
     for name, (total, budget, steps) in phases.items():
         assert "build" in steps and list(steps)[:2] == ["env", "build"], name  # a fresh machine may come
         # the caps (plus the archive's reserve) add up to the budget at most, and the budget leaves
@@ -46,6 +46,8 @@ def test_time_caps_fit_one_device_call():
         assert total <= budget <= DEVICE_CALL_S - 30, (name, total, budget)
     # the new kernels' steps are planned: the sanitizers' Triton pass, the SGD/Lion benchmark and
     # the main job per optimizer family
+    # the one call of a 15-minute loan: every kernel against the CPU, then memcheck, then CUDA tests
+    assert list(phases["first"][2])[2:] == ["smoke", "memcheck", "tests_cuda_short"]
     assert "memcheck_triton" in phases["sanitize"][2]
     assert "bench_sgd_lion" in phases["bench"][2]
     assert {"main_job", "main_job_sgd", "main_job_lion"} <= set(phases["jobs"][2])
