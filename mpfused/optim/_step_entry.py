@@ -38,7 +38,8 @@ def step_entry(func):
 
     @functools.wraps(func)
     def step(*args, **kwargs):
-        if _profiler_enabled() or torch.compiler.is_compiling():
+        # is_compiling first: dynamo cannot trace _profiler_enabled (a torch._C call returning bool)
+        if torch.compiler.is_compiling() or _profiler_enabled():
             return torch_path(*args, **kwargs)
         self = args[0]
         if _torch_optim._global_optimizer_pre_hooks or self._optimizer_step_pre_hooks:
