@@ -1,4 +1,4 @@
-"""The entry of ``FusedOptimizer.step``: torch's step wrapper with a lean path when no profiler runs.
+"""The entry of ``FusedOptimizer.step``: torch's step wrapper, lean when no profiler runs.
 
 torch wraps every optimizer's ``step`` in ``Optimizer.profile_hook_step`` (the step pre-hooks,
 the step under ``record_function("Optimizer.step#<Class>.step")``, ``_optimizer_step_code``, the
@@ -78,9 +78,10 @@ def capture_health_check(optimizer) -> None:
     if torch.compiler.is_compiling():
         return
     if not _NO_GRAPH_CAPTURE:
-        acc = getattr(torch, "accelerator", None)
-        built = acc.current_accelerator(check_available=False) if acc is not None else "?"
-        _NO_GRAPH_CAPTURE.append(built is None or getattr(built, "type", "?") not in ("cuda", "xpu"))
+        acc = getattr(torch, "accelerator", None)  # older torch: unknown, always check
+        built = acc.current_accelerator(check_available=False) if acc is not None else False
+        _NO_GRAPH_CAPTURE.append(built is None or (built is not False
+                                                   and built.type not in ("cuda", "xpu")))
     if _NO_GRAPH_CAPTURE[0]:
         return
     check = getattr(optimizer, "_accelerator_graph_capture_health_check", None)
