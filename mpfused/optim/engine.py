@@ -27,6 +27,7 @@ from mpfused.optim._checkpoint import (PER_ELEMENT_KEYS, _plain_dicts, _restore_
 from mpfused.optim._masters import MASTER_STATE_KEYS, new_master, restore_fp32_param
 from mpfused.optim._streams import elem_offsets, flat_param_ids
 from mpfused.optim._state_table import epoch as state_epoch, tracked
+from mpfused.optim._step_entry import capture_health_check, step_entry
 
 __all__ = ["FusedOptimizer", "MASTER_MODES"]
 
@@ -302,9 +303,9 @@ class FusedOptimizer(Optimizer):
         raise NotImplementedError(f"{type(self).__name__} must define _launch")
 
     # ---- step -------------------------------------------------------------------------------
-    @torch.no_grad()
+    @step_entry
     def step(self, closure=None):
-        _capture_health_check(self)
+        capture_health_check(self)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -375,11 +376,6 @@ class FusedOptimizer(Optimizer):
 
 def _is_own_hook(hook) -> bool:
     return getattr(hook, "__module__", "").startswith("mpfused.")
-
-
-def _capture_health_check(optimizer):
-    check = getattr(optimizer, "_accelerator_graph_capture_health_check", None)
-    (check or optimizer._cuda_graph_capture_health_check)()
 
 
 def _local(t):
