@@ -61,6 +61,7 @@ from mpfused.ops.bound import BoundOp, check_and_record
 from mpfused.optim._release_clip import PreviousNormClip
 from mpfused.optim._release_ddp import DDPRelease
 from mpfused.optim._release_fsdp import FSDPRelease
+from mpfused.optim._overrides import _kept_32bit_ids
 from mpfused.optim._state_table import epoch as state_epoch, tracked
 
 __all__ = ["GradRelease", "step_in_backward"]
@@ -161,9 +162,10 @@ class GradRelease(DDPRelease, FSDPRelease):
     # ---- set-up -----------------------------------------------------------------------------
     def _make_chunks(self, groups=None) -> None:
         """Release buckets of the groups ``groups`` (indices; default all) and their hooks."""
+        kind = _state_kind(self.optimizer)
         for gi in range(len(self.optimizer.param_groups)) if groups is None else groups:
             group = self.optimizer.param_groups[gi]
-            chunk, size = None, 0
+            open_: dict = {}  # state kind -> (its open chunk, the chunk's grad bytes)
             # reverse registration order: roughly the order the backward completes grads (DDP)
             for i in reversed(range(len(group["params"]))):
                 p = group["params"][i]
@@ -174,12 +176,14 @@ class GradRelease(DDPRelease, FSDPRelease):
                         "step_in_backward: DTensor params need fsdp=<the fully_shard root "
                         "module> (FSDP2 fires their hooks after its reduce-scatter)")
                 nbytes = p.numel() * p.element_size()
+                k = kind(group, p)
+                chunk, size = open_.get(k, (None, 0))
                 if chunk is None or (size and size + nbytes > self.bucket_bytes):
                     chunk, size = _Chunk(gi), 0
                     self._chunks.append(chunk)
                 chunk.indices.append(i)
                 chunk.order = tuple(sorted(chunk.indices))
-                size += nbytes
+                open_[k] = (chunk, size + nbytes)
                 self._chunk_of[id(p)] = (chunk, i)
                 self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
 
@@ -387,6 +391,21 @@ class GradRelease(DDPRelease, FSDPRelease):
         if s is None or not s.is_enabled() or s._scale is None:
             return None
         return s._scale.to(device)
+
+
+def _state_kind(optimizer):
+    """``kind(group, p)``: the param's state kind as the planner will split it (8/4-bit or
+    fp32 state, ``State8bit._wants_8bit``; one kind for other optimizers). Release buckets hold
+    params of one kind: the planner would split a mixed one into two kernel calls (the small
+    fp32-state params, below ``min_8bit_size``, then gather into buckets of their own, whose
+    grads wait for their last param: they are small). Only the grouping depends on it: a param
+    whose kind changes later (``keep_32bit_state`` after attaching) is still updated exactly,
+    in a split call."""
+    wants = getattr(optimizer, "_wants_8bit", None)
+    if wants is None:
+        return lambda group, p: True
+    kept = _kept_32bit_ids()
+    return lambda group, p: wants(group, p, kept)
 
 
 class _Entry:
