@@ -48,6 +48,15 @@ def check_steps(steps, dev) -> None:
                                f"got {list(t.shape)} {t.dtype} on {t.device}")
 
 
+def check_amp_scalars(grad_scale, found_inf, norm_sq) -> None:
+    """The bindings' check_scalar_f32 rule for the optional AMP scalars: each a 1-element float32
+    tensor (the kernels read it as fp32; their devices are checked with the other operands)."""
+    for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf), ("norm_sq", norm_sq)):
+        if t is not None and (t.numel() != 1 or t.dtype != torch.float32):
+            raise RuntimeError(f"mpfused: {name} must be a 1-element float32 tensor, got "
+                               f"{list(t.shape)} {t.dtype}")
+
+
 def check_operands(op, params, grads, states, masters, steps, master_mode, lr_tensor, grad_scale,
                    found_inf, norm_sq):
     """The native bindings' checks. `states`: (name, tensors) pairs of fp32 per-param state, each
@@ -63,6 +72,7 @@ def check_operands(op, params, grads, states, masters, steps, master_mode, lr_te
             raise RuntimeError(f"mpfused: {name} must be a 1-element tensor on {dev} (the "
                                f"params' device), got {tuple(t.shape)} on {t.device}")
     check_steps(steps, dev)
+    check_amp_scalars(grad_scale, found_inf, norm_sq)
     check_master_mode(params, masters, master_mode)
     for i, p in enumerate(params):
         if p.dtype not in DTYPE_CODE:
