@@ -12,10 +12,8 @@ Measured on the 2-core CPU box (seeded, this file's settings; asserted with marg
 * random N(0, 1) grads, 50 steps: |w - w_fp32| / |w_fp32 - w0| = 0.26 (8-bit: 0.020): per-step
   noise from 4-bit m; what matters for training is the parity test (tests/test_training_parity.py).
 """
+import hashlib
 import io
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -23,6 +21,7 @@ import torch
 import mpfused
 from mpfused import quant4 as q4
 from mpfused.ops import adam4bit as ops
+from tests import isa_builds
 from tests.tolerances import ABSMAX_TOL_OF_TERMS
 
 OP_UNDER_TEST = "adam4bit_step_"
@@ -293,46 +292,39 @@ def test_scaler_unscale_and_clipping_match_manual():
         torch.testing.assert_close(ps[0], qs[0], rtol=1e-6, atol=1e-7)
 
 
-_ISA_SCRIPT = r"""
-import hashlib, sys, torch
-from mpfused import quant4 as q4
-from mpfused.ops import adam4bit as ops
-gen = torch.Generator().manual_seed(int(sys.argv[1]))
-h = hashlib.sha256()
-for dtype, mode in [(torch.float32, 0), (torch.float16, 1), (torch.bfloat16, 2), (torch.bfloat16, 3)]:
-    sizes = [1, 63, 64, 65, 1000, 70001]
-    ps = [(torch.randn(n, generator=gen) * 0.1).to(dtype) for n in sizes]
-    cs = [q4.quantize4_blockwise(torch.randn(n, generator=gen) * 1e-3, q4.signed4_map(), 128)
-          + q4.quantize4_blockwise(torch.rand(n, generator=gen) * 1e-5, q4.unsigned4_map(), 128)
-          for n in sizes]
-    masters = ([p.float() + 1e-5 for p in ps] if mode == 1 else
-               [torch.randint(-2**15, 2**15, (n,), generator=gen, dtype=torch.int16) for n in sizes]
-               if mode == 2 else [])
-    steps = [torch.zeros(()) for _ in sizes]
-    for _ in range(3):
-        grads = [(torch.randn(n, generator=gen) * 1e-2).to(dtype) for n in sizes]
-        ops.adam4bit_step_(ps, grads, [c[0] for c in cs], [c[2] for c in cs], [c[1] for c in cs],
-                           [c[3] for c in cs], masters, steps, q4.signed4_map(),
-                           q4.unsigned4_map(), block_size=128, lr=1e-3, lr_tensor=None,
-                           beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=1e-2, maximize=False,
-                           decoupled=True, master_mode=mode, backend="native")
-    for t in ps + [x for c in cs for x in c] + masters:
-        h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-print(h.hexdigest())
-"""
+def isa_digest(seed: int) -> str:
+    """The bytes every dtype / master mode of the native 4-bit kernel writes (tests/isa_builds.py
+    runs it once per ISA build)."""
+    gen = torch.Generator().manual_seed(seed)
+    h = hashlib.sha256()
+    for dtype, mode in [(torch.float32, 0), (torch.float16, 1), (torch.bfloat16, 2),
+                        (torch.bfloat16, 3)]:
+        sizes = [1, 63, 64, 65, 1000, 70001]
+        ps = [(torch.randn(n, generator=gen) * 0.1).to(dtype) for n in sizes]
+        cs = [q4.quantize4_blockwise(torch.randn(n, generator=gen) * 1e-3, q4.signed4_map(), 128)
+              + q4.quantize4_blockwise(torch.rand(n, generator=gen) * 1e-5, q4.unsigned4_map(), 128)
+              for n in sizes]
+        masters = ([p.float() + 1e-5 for p in ps] if mode == 1 else
+                   [torch.randint(-2**15, 2**15, (n,), generator=gen, dtype=torch.int16)
+                    for n in sizes] if mode == 2 else [])
+        steps = [torch.zeros(()) for _ in sizes]
+        for _ in range(3):
+            grads = [(torch.randn(n, generator=gen) * 1e-2).to(dtype) for n in sizes]
+            ops.adam4bit_step_(ps, grads, [c[0] for c in cs], [c[2] for c in cs],
+                               [c[1] for c in cs], [c[3] for c in cs], masters, steps,
+                               q4.signed4_map(), q4.unsigned4_map(), block_size=128, lr=1e-3,
+                               lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8,
+                               weight_decay=1e-2, maximize=False, decoupled=True,
+                               master_mode=mode, backend="native")
+        for t in ps + [x for c in cs for x in c] + masters:
+            h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 @needs_native
 def test_every_cpu_isa_build_is_bit_identical():
-    seed = str(int(torch.randint(0, 2**31, ()).item()))
-    # the four processes at once: most of each is importing torch and mpfused
-    procs = {isa: subprocess.Popen([sys.executable, "-c", _ISA_SCRIPT, seed],
-                                   env=dict(os.environ, MPFUSED_CPU_ISA=isa), text=True,
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for isa in ("base", "v3", "v4", "vbmi")}
-    digests = {}
-    for isa, proc in procs.items():
-        out, err = proc.communicate()
-        assert proc.returncode == 0, (isa, err)
-        digests[isa] = out.strip()
+    """Baseline, x86-64-v3, v4 and a VBMI CPU (MPFUSED_CPU_ISA caps the build a process picks):
+    every build gives the same bytes (the processes are shared with the other block-wise
+    families: tests/isa_builds.py)."""
+    digests = isa_builds.digests("adam4bit")
     assert len(set(digests.values())) == 1, digests

@@ -168,6 +168,50 @@ def test_fake_kernel_checks_the_keyword_arguments(op, key, value, match):
             getattr(torch.ops.mpfused, op).default(*_fake(fm, args), **_fake(fm, kwargs))
 
 
+# The run-time rule for the step counters, every backend of every step op: a 1-element float32
+# tensor, refused with the native binding's message before anything is written (the Triton
+# launchers once took a float64 or float16 counter, and an integer one only failed in the
+# counter's advance, after the update). The "reference" backend (the float64 model the kernels
+# are tested against) is not an argument checker and is left out.
+STEP_COUNTER_BAD = {"float64": lambda t: t.double(), "float16": lambda t: t.half(),
+                    "int32": lambda t: t.int(), "two-element": lambda t: t.repeat(2)}
+
+
+@pytest.mark.parametrize("bad", sorted(STEP_COUNTER_BAD))
+@pytest.mark.parametrize("op", STEP_OPS)
+def test_bad_step_counter_refused_on_every_backend(op, bad):
+    index = [a.name for a in _schema(op).arguments].index("steps")
+    backends = [b for b in OPS[op].available("cpu") if b != "reference"]
+    assert backends, "no kernel backend on the CPU"
+    for backend in backends:
+        args, kwargs, _ = inputs(op, "fp32", "none", torch.Generator().manual_seed(0), count=3)
+        args[index][1] = STEP_COUNTER_BAD[bad](args[index][1])
+        before = [[t.clone() for t in a] if isinstance(a, list) else a for a in args]
+        with pytest.raises(RuntimeError,
+                           match=r"steps\[1\] must be a 1-element float32 tensor on cpu"):
+            OPS[op](*args, **kwargs, backend=backend)
+        for a, b in zip(args, before):
+            if isinstance(a, list):
+                assert all(torch.equal(x.view(-1).view(torch.uint8), y.view(-1).view(torch.uint8))
+                           for x, y in zip(a, b)), (backend, "changed")
+
+
+@pytest.mark.parametrize("key", ["grad_scale", "found_inf", "norm_sq"])
+@pytest.mark.parametrize("op", STEP_OPS)
+def test_bad_amp_scalar_refused_on_every_backend(op, key):
+    """The AMP scalars' run-time rule (a 1-element float32 tensor), native and Triton alike."""
+    backends = [b for b in OPS[op].available("cpu") if b != "reference"]
+    for backend in backends:
+        args, kwargs, _ = inputs(op, "fp32", "none", torch.Generator().manual_seed(0), count=3)
+        kwargs[key] = kwargs[key].double()
+        before = [[t.clone() for t in a] for a in args if isinstance(a, list)]
+        with pytest.raises(RuntimeError, match=rf"{key} must be a 1-element float32 tensor"):
+            OPS[op](*args, **kwargs, backend=backend)
+        after = [a for a in args if isinstance(a, list)]
+        assert all(torch.equal(x, y) for a, b in zip(after, before) for x, y in zip(a, b)), \
+            backend
+
+
 def test_fake_kernel_of_update_scale_checks_the_trackers():
     args, kwargs = _case("update_scale_")
     args[1] = args[1].long()

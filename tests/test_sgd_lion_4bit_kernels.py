@@ -12,15 +12,14 @@ c = b1 m + (1 - b1) g is within 16 EPS (|m| + |g|) of 0, where sign(c) is a roun
 codes equal except one apart (a state within rounding of a decision threshold), at most
 max(1, 1%) of a tensor's elements; absmax to fp32 rounding of its terms (ABSMAX_TOL_OF_TERMS);
 masters rtol 1e-6; step counters exact."""
-import os
-import subprocess
-import sys
+import hashlib
 
 import pytest
 import torch
 
 from mpfused import quant4 as q4
 from mpfused.ops import OPS
+from tests import isa_builds
 from tests.tolerances import ABSMAX_TOL_OF_TERMS
 
 OP_UNDER_TEST = "sgd4bit_step_"  # conftest: (device, backend) over this op's backends
@@ -295,36 +294,26 @@ def test_bit_identical_for_any_thread_count():
             assert all(torch.equal(bits(x), bits(y)) for x, y in zip(d[k], e[k])), k
 
 
-_ISA_SCRIPT = r"""
-import hashlib, sys, torch
-sys.path.insert(0, sys.argv[2])
-from tests.test_sgd_lion_4bit_kernels import CASES, KEYS, make_case, step
-h = hashlib.sha256()
-for kind in ("sgd", "lion"):
-    for dtype, mode in [CASES[i] for i in (0, 1, 5, 6)]:  # fp32, fp32 master, SR, remainder8
-        c = make_case([1, 63, 64, 65, 1001, 70001], dtype, mode, 128, steps=(0, 4),
-                      seed=int(sys.argv[1]))
-        for _ in range(2):
-            step(kind, c, weight_decay=1e-2)
-        for k in KEYS:
-            for t in c[k]:
-                h.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
-print(h.hexdigest())
-"""
+def isa_digest(seed: int) -> str:
+    """The bytes both kernels write (tests/isa_builds.py runs it once per ISA build)."""
+    h = hashlib.sha256()
+    for kind in ("sgd", "lion"):
+        for dtype, mode in [CASES[i] for i in (0, 1, 5, 6)]:  # fp32, fp32 master, SR, remainder8
+            c = make_case([1, 63, 64, 65, 1001, 70001], dtype, mode, 128, steps=(0, 4), seed=seed)
+            for _ in range(2):
+                step(kind, c, weight_decay=1e-2)
+            for k in KEYS:
+                for t in c[k]:
+                    h.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 @needs_native
 def test_every_cpu_isa_build_is_bit_identical():
     """Baseline, x86-64-v3, v4 (4-bit: the vpermps decode) and a VBMI CPU (4-bit takes v4):
-    every build gives the same bytes."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    seed = str(int(torch.randint(0, 2**31, ())))
-    digests = {}
-    for isa in ("base", "v3", "v4", "vbmi"):
-        out = subprocess.run([sys.executable, "-c", _ISA_SCRIPT, seed, root], check=True,
-                             env=dict(os.environ, MPFUSED_CPU_ISA=isa), capture_output=True,
-                             text=True)
-        digests[isa] = out.stdout.strip().splitlines()[-1]
+    every build gives the same bytes (the processes are shared with the other block-wise
+    families: tests/isa_builds.py)."""
+    digests = isa_builds.digests("sgd_lion_4bit")
     assert len(set(digests.values())) == 1, digests
 
 

@@ -231,9 +231,6 @@ BAD = [
 @every_backend
 @pytest.mark.parametrize("op,key,index,bad,msg", BAD, ids=[f"{b[0][:-6]}-{b[1]}-{b[2]}" for b in BAD])
 def test_bad_arguments_rejected_before_any_change(dev, backend, op, key, index, bad, msg):
-    if backend == "triton" and key == "steps":
-        pytest.xfail("the Triton path accepts a float64 step counter (native refuses it): "
-                     "found when the two harnesses were merged, left to the kernels' owner")
     s = make_state([(7,), (3, 4)], BF16, FP32_MASTER, dev)
     if index is None:
         s[key] = bad(s[key])

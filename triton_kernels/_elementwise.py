@@ -38,6 +38,25 @@ def check_master_mode(params, masters, master_mode) -> None:
             raise RuntimeError(f"mpfused: masters[{i}] must be {want}, got {masters[i].dtype}")
 
 
+def check_steps(steps, dev) -> None:
+    """The bindings' check_steps_and_scalars rule for the step counters: each a 1-element float32
+    tensor on the params' device (the kernels read it as fp32; advance_steps adds to it in place,
+    so another dtype would be refused only after the update, or not at all)."""
+    for i, t in enumerate(steps):
+        if t.numel() != 1 or t.dtype != torch.float32 or t.device != dev:
+            raise RuntimeError(f"mpfused: steps[{i}] must be a 1-element float32 tensor on {dev}, "
+                               f"got {list(t.shape)} {t.dtype} on {t.device}")
+
+
+def check_amp_scalars(grad_scale, found_inf, norm_sq) -> None:
+    """The bindings' check_scalar_f32 rule for the optional AMP scalars: each a 1-element float32
+    tensor (the kernels read it as fp32; their devices are checked with the other operands)."""
+    for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf), ("norm_sq", norm_sq)):
+        if t is not None and (t.numel() != 1 or t.dtype != torch.float32):
+            raise RuntimeError(f"mpfused: {name} must be a 1-element float32 tensor, got "
+                               f"{list(t.shape)} {t.dtype}")
+
+
 def check_operands(op, params, grads, states, masters, steps, master_mode, lr_tensor, grad_scale,
                    found_inf, norm_sq):
     """The native bindings' checks. `states`: (name, tensors) pairs of fp32 per-param state, each
@@ -48,10 +67,12 @@ def check_operands(op, params, grads, states, masters, steps, master_mode, lr_te
             raise RuntimeError(f"mpfused: {op}: {name} has {len(lst)} tensors, params {n}")
     dev = params[0].device
     for name, t in [("lr_tensor", lr_tensor), ("grad_scale", grad_scale), ("found_inf", found_inf),
-                    ("norm_sq", norm_sq)] + [(f"steps[{i}]", t) for i, t in enumerate(steps)]:
+                    ("norm_sq", norm_sq)]:
         if t is not None and (t.device != dev or t.numel() != 1):
             raise RuntimeError(f"mpfused: {name} must be a 1-element tensor on {dev} (the "
                                f"params' device), got {tuple(t.shape)} on {t.device}")
+    check_steps(steps, dev)
+    check_amp_scalars(grad_scale, found_inf, norm_sq)
     check_master_mode(params, masters, master_mode)
     for i, p in enumerate(params):
         if p.dtype not in DTYPE_CODE:

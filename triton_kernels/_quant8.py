@@ -14,8 +14,9 @@ from mpfused.master_modes import MASTER_DTYPE, kernel_mode
 from mpfused.quant_maps import thresholds, zero_code as map_zero_code
 from mpfused.reference.adam import sr_streams
 from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, f64_bits, i64_bits
-from mpfused.triton_kernels._elementwise import (M64, advance_steps, check_master_mode,
-                                                 launch_options, scalar_operands)
+from mpfused.triton_kernels._elementwise import (M64, advance_steps, check_amp_scalars,
+                                                 check_master_mode, check_steps, launch_options,
+                                                 scalar_operands)
 
 
 @triton.jit
@@ -165,8 +166,7 @@ def check_one_state(op, params, grads, state_name, codes, absmaxs, masters, step
             if masters[i].dtype != want_master or masters[i].numel() != p.numel():
                 raise RuntimeError(f"mpfused: masters[{i}] must be {want_master} of params[{i}]'s "
                                    "size")
-        if steps[i].numel() != 1 or steps[i].dtype != torch.float32:
-            raise RuntimeError(f"mpfused: steps[{i}] must be a 1-element float32 tensor")
+    check_steps(steps, params[0].device)
 
 
 def one_state_step(kernel, op, state_name, params, grads, codes, absmaxs, masters, steps, qmap,
@@ -186,6 +186,7 @@ def one_state_step(kernel, op, state_name, params, grads, codes, absmaxs, master
                            "entries")
     check_one_state(op, params, grads, state_name, codes, absmaxs, masters, steps, block_size,
                     master_mode, bits)
+    check_amp_scalars(grad_scale, found_inf, norm_sq)
     dev = params[0].device
     check_one_device(dev, dict(params=params, grads=grads, **{state_name: codes},
                                absmaxs=absmaxs, masters=masters, steps=steps),

@@ -22,7 +22,8 @@ from mpfused.reference.adam import sr_streams
 from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, i64_bits, load_f32,
                                           num_warps_for)
 from mpfused.triton_kernels._device import on_tensors_device
-from mpfused.triton_kernels._elementwise import advance_steps, check_master_mode
+from mpfused.triton_kernels._elementwise import (advance_steps, check_amp_scalars,
+                                                 check_master_mode, check_steps)
 from mpfused.triton_kernels._quant8 import (check_block_size, check_one_device, dequantize,
                                             for_each_quantized, store_quantized)
 
@@ -85,6 +86,11 @@ def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, mas
     lists = dict(params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
                  absmax1s=absmax1s, absmax2s=absmax2s, masters=masters, steps=steps)
     check_master_mode(params, masters, master_mode)
+    if len(steps) != len(params):
+        raise RuntimeError(f"mpfused: adam{_bits}bit_step_: steps has {len(steps)} tensors, "
+                           f"params {len(params)}")
+    check_steps(steps, dev)
+    check_amp_scalars(grad_scale, found_inf, norm_sq)
     check_one_device(dev, lists, [("qmap1", qmap1), ("qmap2", qmap2), ("lr_tensor", lr_tensor),
                                   ("grad_scale", grad_scale), ("found_inf", found_inf),
                                   ("norm_sq", norm_sq)])
