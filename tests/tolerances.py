@@ -46,3 +46,9 @@ LION_SIGN_RTOL = 1e-5
 # relative to the terms, not to the result. A few fp32 roundings of the larger term, 2^-24 each:
 # 1e-6 of (old absmax + the gradient term) is ~16 of them, and fails any real difference.
 ABSMAX_TOL_OF_TERMS = 1e-6
+
+# Decoded 8-bit states of two implementations compared per block (test_sgd_lion_8bit_bnb): the
+# values are float32 products map[code] * absmax, each rounded to half an ulp of a value up to
+# absmax, so their difference over the block's absmax carries up to 2**-23 on top of the map's
+# widest gap (measured 1.4e-7 over it on one draw; a 1e-5 relative slack, 1.4e-7, was too tight).
+DECODED_GAP_ROUNDING = 2.0**-22
