@@ -18,13 +18,12 @@ import functools
 import os
 import sys
 import tempfile
-import traceback
 
 import torch
 
-from tests.distributed_runs import (CKPT_AT, STEPS, UNAVAILABLE, WORLD, _launch, _wrap, batch,
+from tests.distributed_runs import (CKPT_AT, STEPS, WORLD, _launch, _wrap, batch, join_group,
                                    kinds_of, loss_fn, make_model, make_scaler, params_of,
-                                   state_snapshot)
+                                   run_jobs, state_snapshot)
 
 BATCH = 4
 LOSSY_4BIT = {"a.weight", "a.bias", "d.weight", "d.bias"}  # re-blocked: not bit-exact
@@ -331,38 +330,15 @@ def _reblock_8bit(mesh, pls, rank, g):
 def _worker_main(launch, rank, world, out_dir):
     import warnings
 
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)  # bit-identical forward/backward to the single-process reference
     warnings.filterwarnings("ignore")
-    try:
-        store = dist.FileStore(os.path.join(out_dir, "store"), world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    except Exception as e:  # noqa: BLE001
-        print(f"{UNAVAILABLE}: {type(e).__name__}: {e}", flush=True)
-        sys.exit(3)
-    results = {}
-    try:
-        for name in CONFIGS:
-            try:  # one failing scenario fails its own tests only
-                results[name] = _checkpoint(rank, os.path.join(out_dir, "ckpt_" + name), name)
-            except Exception:  # noqa: BLE001
-                results[name] = {"error": traceback.format_exc()}
-            dist.barrier()
-        for name in ("fsdp4_all", "fsdp4_exact"):
-            try:
-                results["1to2_" + name] = _load_1_to_2(
-                    rank, os.path.join(out_dir, "ckpt1_" + name), name)
-            except Exception:  # noqa: BLE001
-                results["1to2_" + name] = {"error": traceback.format_exc()}
-            dist.barrier()
-        try:
-            results["paths"] = _layout_paths(rank)
-        except Exception:  # noqa: BLE001
-            results["paths"] = {"error": traceback.format_exc()}
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    join_group(rank, world, out_dir)
+    jobs = {name: functools.partial(_checkpoint, rank, os.path.join(out_dir, "ckpt_" + name), name)
+            for name in CONFIGS}
+    jobs.update({"1to2_" + name: functools.partial(
+        _load_1_to_2, rank, os.path.join(out_dir, "ckpt1_" + name), name)
+        for name in ("fsdp4_all", "fsdp4_exact")})
+    jobs["paths"] = functools.partial(_layout_paths, rank)
+    run_jobs(jobs, rank, out_dir)
 
 
 _DIR = None

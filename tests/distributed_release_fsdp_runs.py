@@ -22,12 +22,11 @@ import functools
 import os
 import sys
 import tempfile
-import traceback
 
 import torch
 
-from tests.distributed_runs import (UNAVAILABLE, _launch, _wrap, batch, loss_fn, make_model,
-                                    make_scaler)
+from tests.distributed_runs import (_launch, _wrap, batch, join_group, loss_fn, make_model,
+                                    make_scaler, run_jobs)
 
 STEPS = 10
 NAN_STEP = 4
@@ -220,32 +219,14 @@ def _refusals(rank):
 def _worker_main(launch, rank, world, out_dir):
     import warnings
 
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
     warnings.filterwarnings("ignore")
-    try:
-        store = dist.FileStore(os.path.join(out_dir, "store"), world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    except Exception as e:  # noqa: BLE001
-        print(f"{UNAVAILABLE}: {type(e).__name__}: {e}", flush=True)
-        sys.exit(3)
+    join_group(rank, world, out_dir)
     jobs = {("equal", n): functools.partial(_equal_runs, n, rank) for n in CONFIGS}
     jobs.update({("accum", n): functools.partial(_accumulation, n, rank) for n in ACCUM})
     jobs.update({("ckpt", n): functools.partial(_checkpoint, n, rank,
                                                 os.path.join(out_dir, "ckpt_" + n)) for n in CKPT})
     jobs[("refusals", "")] = functools.partial(_refusals, rank)
-    results = {}
-    try:
-        for key, fn in jobs.items():
-            try:  # one failing scenario fails its own tests only
-                results[key] = fn()
-            except Exception:  # noqa: BLE001
-                results[key] = {"error": traceback.format_exc()}
-            dist.barrier()
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    run_jobs(jobs, rank, out_dir)
 
 
 @functools.cache

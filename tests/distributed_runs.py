@@ -326,16 +326,41 @@ def _checkpoint(rank, ckpt_dir, name, **optim_kw):
     return out
 
 
-def _worker_main(launch, rank, world, out_dir):
+def join_group(rank, world, out_dir):
+    """This worker's gloo process group (a FileStore in out_dir); exit 3 where gloo cannot start
+    (the launcher then skips). One intra-op thread: bit-identical forward/backward to the
+    single-process reference."""
     import torch.distributed as dist
 
-    torch.set_num_threads(1)  # bit-identical forward/backward to the single-process reference
+    torch.set_num_threads(1)
     try:
         store = dist.FileStore(os.path.join(out_dir, "store"), world)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     except Exception as e:  # noqa: BLE001
         print(f"{UNAVAILABLE}: {type(e).__name__}: {e}", flush=True)
         sys.exit(3)
+
+
+def run_jobs(jobs, rank, out_dir):
+    """Every job in turn (one failing scenario fails its own tests only), a barrier after each;
+    this rank's results saved for the launcher, then the group left."""
+    import torch.distributed as dist
+
+    results = {}
+    try:
+        for key, fn in jobs.items():
+            try:  # one failing scenario fails its own tests only
+                results[key] = fn()
+            except Exception:  # noqa: BLE001
+                results[key] = {"error": traceback.format_exc()}
+            dist.barrier()
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _worker_main(launch, rank, world, out_dir):
+    join_group(rank, world, out_dir)
     jobs = {name: (lambda name=name: _train_dist(name, rank)) for name in LAUNCHES[launch]
             if CONFIGS[name][3] != "AdamW8bit" or _has_8bit()}
     jobs["inject"] = lambda: _inject_inf_one_rank(rank, launch, (2,))
@@ -353,17 +378,7 @@ def _worker_main(launch, rank, world, out_dir):
         if _has_8bit():
             jobs["ckpt_" + UNALIGNED_8BIT] = lambda: _checkpoint(
                 rank, os.path.join(out_dir, "ckpt_" + UNALIGNED_8BIT), "fsdp_8bit", **UNALIGNED_KW)
-    results = {}
-    try:
-        for job, fn in jobs.items():
-            try:  # one failing scenario fails its own tests only
-                results[job] = fn()
-            except Exception:  # noqa: BLE001
-                results[job] = {"error": traceback.format_exc()}
-            dist.barrier()
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    run_jobs(jobs, rank, out_dir)
 
 
 # ---- launching --------------------------------------------------------------------------------

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import os
 import sys
-import traceback
 import warnings
 
 import torch
 
-from tests.distributed_runs import (CKPT_AT, INF_STEP, STEPS, UNAVAILABLE, WORLD, _wrap, batch,
+from tests.distributed_runs import (CKPT_AT, INF_STEP, STEPS, WORLD, _wrap, batch, join_group,
                                    kinds_of, loss_fn, make_model, make_scaler, params_of,
-                                   state_snapshot)
+                                   run_jobs, state_snapshot)
 
 # name: (engine, param dtype, optimizer, max_grad_norm)   (every run uses the GradScaler)
 CONFIGS = {
@@ -132,15 +131,7 @@ def _checkpoint(rank, ckpt_dir, name, **optim_kw):
 
 
 def _worker_main(rank, world, out_dir):
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)  # bit-identical forward/backward to the single-process reference
-    try:
-        store = dist.FileStore(os.path.join(out_dir, "store"), world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    except Exception as e:  # noqa: BLE001
-        print(f"{UNAVAILABLE}: {type(e).__name__}: {e}", flush=True)
-        sys.exit(3)
+    join_group(rank, world, out_dir)
     jobs = {name: (lambda name=name: _train_dist(name, rank)) for name in CONFIGS}
     for name, base in RELEASE_CONFIGS.items():
         jobs[name] = lambda base=base: _train_dist(base, rank, release=True)
@@ -150,17 +141,7 @@ def _worker_main(rank, world, out_dir):
     for name, base in UNALIGNED.items():
         jobs["ckpt_" + name] = lambda name=name, base=base: _checkpoint(
             rank, os.path.join(out_dir, "ckpt_" + name), base, **UNALIGNED_KW)
-    results = {}
-    try:
-        for job, fn in jobs.items():
-            try:  # one failing scenario fails its own tests only
-                results[job] = fn()
-            except Exception:  # noqa: BLE001
-                results[job] = {"error": traceback.format_exc()}
-            dist.barrier()
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    run_jobs(jobs, rank, out_dir)
 
 
 # ---- loading a checkpoint in one process, the checkpoint's 8-bit layout ------------------
