@@ -20,8 +20,9 @@ from mpfused.reference.adam import sr_streams
 from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, f64_from_bits,
                                           i64_bits, load_f32)
 from mpfused.triton_kernels._device import on_tensors_device
-from mpfused.triton_kernels._elementwise import (BLOCK, M64, advance_steps, check_operands,
-                                                 for_each_tensor, launch_options, scalar_operands)
+from mpfused.ops.checks import lion_operands
+from mpfused.triton_kernels._elementwise import (BLOCK, M64, advance_steps, for_each_tensor,
+                                                 launch_options, scalar_operands)
 from mpfused.triton_kernels._master import load_weight, store_weight
 from mpfused.triton_kernels._step_scalars import grad_multiplier, read_lr, step_number
 
@@ -91,8 +92,9 @@ def lion_step_(params, grads, exp_avgs, masters, steps, *, lr, lr_tensor, beta1,
                max_grad_norm=0.0, seed=0, param_ids=(), elem_offsets=()):
     if not params:
         return
-    check_operands("lion_step_", params, grads, [("exp_avgs", exp_avgs)], masters, steps,
-                   master_mode, lr_tensor, grad_scale, found_inf, norm_sq)
+    lion_operands("lion_step_", params, grads, exp_avgs, masters, steps, master_mode=master_mode,
+                  lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf,
+                  norm_sq=norm_sq, param_ids=param_ids, elem_offsets=elem_offsets, values=True)
     streams = sr_streams(len(params), param_ids, elem_offsets)
     seed_u64 = int(seed) & M64
     hyper_bits = [f64_bits(x) for x in (lr, beta1, beta2, weight_decay, max_grad_norm)]

@@ -22,8 +22,9 @@ from mpfused.reference.adam import sr_streams
 from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, f64_from_bits,
                                           i64_bits, load_f32)
 from mpfused.triton_kernels._device import on_tensors_device
-from mpfused.triton_kernels._elementwise import (BLOCK, M64, advance_steps, check_operands,
-                                                 for_each_tensor, launch_options, scalar_operands)
+from mpfused.ops.checks import sgd_operands
+from mpfused.triton_kernels._elementwise import (BLOCK, M64, advance_steps, for_each_tensor,
+                                                 launch_options, scalar_operands)
 from mpfused.triton_kernels._master import load_weight, store_weight
 from mpfused.triton_kernels._step_scalars import grad_multiplier, read_lr, step_number
 
@@ -95,12 +96,11 @@ def sgd_step_(params, grads, momentum_buffers, masters, steps, *, lr, lr_tensor,
               norm_sq=None, max_grad_norm=0.0, seed=0, param_ids=(), elem_offsets=()):
     if not params:
         return
+    sgd_operands("sgd_step_", params, grads, momentum_buffers, masters, steps, momentum=momentum,
+                 master_mode=master_mode, lr_tensor=lr_tensor, grad_scale=grad_scale,
+                 found_inf=found_inf, norm_sq=norm_sq, param_ids=param_ids,
+                 elem_offsets=elem_offsets, values=True)
     has_momentum = momentum != 0
-    if has_momentum and len(momentum_buffers) != len(params):
-        raise RuntimeError("mpfused: sgd_step_: momentum != 0 needs one momentum buffer per param")
-    states = [("momentum_buffers", momentum_buffers)] if has_momentum else []
-    check_operands("sgd_step_", params, grads, states, masters, steps, master_mode, lr_tensor,
-                   grad_scale, found_inf, norm_sq)
     streams = sr_streams(len(params), param_ids, elem_offsets)
     seed_u64 = int(seed) & M64
     hyper_bits = [f64_bits(x) for x in (lr, momentum, dampening, weight_decay, max_grad_norm)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mpfused.ops.checks import check_quantized_momentum
 from mpfused.triton_kernels._bits import load_f32
 from mpfused.triton_kernels._device import on_tensors_device
 from mpfused.triton_kernels._master import load_weight, store_weight
@@ -60,8 +61,7 @@ def sgd8bit_step_(params, grads, momentum_buffers, absmaxs, masters, steps, qmap
                   grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0, seed=0,
                   param_ids=(), elem_offsets=(), _bits=8):
     op = "sgd8bit_step_" if _bits == 8 else "sgd4bit_step_"
-    if not momentum > 0:  # the quantized state is the buffer: plain SGD has none (bnb too)
-        raise RuntimeError(f"mpfused: {op}: momentum must be > 0, got {momentum}")
+    check_quantized_momentum(op, momentum)
     one_state_step(_sgd8bit_kernel, op, "momentum_buffers", params, grads,
                    momentum_buffers, absmaxs, masters, steps, qmap, block_size, master_mode,
                    (lr, momentum, dampening, weight_decay), lr_tensor, grad_scale, found_inf,

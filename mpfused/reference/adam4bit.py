@@ -5,19 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from mpfused.quant4 import codes4_numel, dequantize4_blockwise, quantize4_blockwise
+from mpfused.ops.checks import check_codes, check_qmap
+from mpfused.quant4 import dequantize4_blockwise, quantize4_blockwise
 from mpfused.reference.adam import param_updates, write_master
 
 
 def _check(params, exp_avgs, exp_avg_sqs, qmap1, qmap2):
+    """The 4-bit size rules a kernel indexes by (the ops' rules, mpfused/ops/checks.py)."""
+    dev = params[0].device if params else qmap1.device
     for name, m in (("qmap1", qmap1), ("qmap2", qmap2)):
-        if m.numel() != 16 or m.dtype != torch.float32:
-            raise RuntimeError(f"mpfused: {name} must be a float32 tensor of 16 entries")
+        check_qmap("adam4bit_step_", name, m, dev, 4, values=True)
     for name, lst in (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
-        for i, (p, c) in enumerate(zip(params, lst)):
-            if c.dtype != torch.uint8 or c.numel() != codes4_numel(p.numel()):
-                raise RuntimeError(f"mpfused: {name}[{i}] must be uint8 with ceil(numel / 2) = "
-                                   f"{codes4_numel(p.numel())} bytes (two 4-bit codes each)")
+        check_codes("adam4bit_step_", name, lst, params, dev, 4, values=True)
 
 
 def adam4bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters, steps,

@@ -7,21 +7,18 @@ rounding of a threshold. ``dequantized4`` / ``store_quantized4`` / ``check_one_s
 shared with lion4bit's reference."""
 from __future__ import annotations
 
-import torch
-
-from mpfused.quant4 import codes4_numel, dequantize4_blockwise, quantize4_blockwise
+from mpfused.ops.checks import check_codes, check_qmap, check_quantized_momentum
+from mpfused.quant4 import dequantize4_blockwise, quantize4_blockwise
 from mpfused.reference.adam import param_updates, write_master
 from mpfused.reference.sgd import momentum_update
 
 
 def check_one_state4(op, state_name, params, codes, qmap):
-    """The 4-bit size rules a kernel indexes by: a 16-entry map, ceil(numel / 2) code bytes."""
-    if qmap.numel() != 16 or qmap.dtype != torch.float32:
-        raise RuntimeError(f"mpfused: {op}: qmap must be a float32 tensor of 16 entries")
-    for i, (p, c) in enumerate(zip(params, codes)):
-        if c.dtype != torch.uint8 or c.numel() != codes4_numel(p.numel()):
-            raise RuntimeError(f"mpfused: {op}: {state_name}[{i}] must be uint8 with ceil(numel "
-                               f"/ 2) = {codes4_numel(p.numel())} bytes (two 4-bit codes each)")
+    """The 4-bit size rules a kernel indexes by (the ops' rules, mpfused/ops/checks.py): a
+    16-entry map, ceil(numel / 2) code bytes."""
+    dev = params[0].device if params else qmap.device
+    check_qmap(op, "qmap", qmap, dev, 4, values=True)
+    check_codes(op, state_name, codes, params, dev, 4, values=True)
 
 
 def dequantized4(codes, absmax, qmap, block_size, shape):
@@ -41,8 +38,7 @@ def sgd4bit_step_(params, grads, momentum_buffers, absmaxs, masters, steps, qmap
                   lr_tensor, momentum, dampening, weight_decay, nesterov, maximize, master_mode,
                   grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0, seed=0,
                   param_ids=(), elem_offsets=()):
-    if not momentum > 0:  # the 4-bit state is the buffer: plain SGD has none
-        raise RuntimeError(f"mpfused: sgd4bit_step_: momentum must be > 0, got {momentum}")
+    check_quantized_momentum("sgd4bit_step_", momentum)
     check_one_state4("sgd4bit_step_", "momentum_buffers", params, momentum_buffers, qmap)
     # param_updates: unscale, clip, maximize, and L2 decay into g (decoupled=False), as torch
     for i, p, t, stream, mode, master, w, g, lr in param_updates(

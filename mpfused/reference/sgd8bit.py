@@ -4,6 +4,7 @@ to float32, take its block absmax and requantize it with the signed map's sign r
 update in float32, so a code may differ where the buffer lies within rounding of a threshold."""
 from __future__ import annotations
 
+from mpfused.ops.checks import check_quantized_momentum
 from mpfused.reference.adam import param_updates, write_master
 from mpfused.reference.adam8bit import dequantized, store_quantized
 from mpfused.reference.sgd import momentum_update
@@ -13,8 +14,7 @@ def sgd8bit_step_(params, grads, momentum_buffers, absmaxs, masters, steps, qmap
                   lr_tensor, momentum, dampening, weight_decay, nesterov, maximize, master_mode,
                   grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0, seed=0,
                   param_ids=(), elem_offsets=()):
-    if not momentum > 0:  # the 8-bit state is the buffer: plain SGD has none (bitsandbytes too)
-        raise RuntimeError(f"mpfused: sgd8bit_step_: momentum must be > 0, got {momentum}")
+    check_quantized_momentum("sgd8bit_step_", momentum)
     # param_updates: unscale, clip, maximize, and L2 decay into g (decoupled=False), as torch
     for i, p, t, stream, mode, master, w, g, lr in param_updates(
             params, grads, masters, steps, lr, lr_tensor, weight_decay, maximize, False,
