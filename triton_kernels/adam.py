@@ -31,9 +31,10 @@ import triton.language as tl
 
 from mpfused.ops.checks import adam_operands
 from mpfused.triton_kernels._adam_scalars import adam_scalars
-from mpfused.triton_kernels._master import load_weight, store_weight
+from mpfused.triton_kernels._master import store_weight
+from mpfused.triton_kernels._step_block import load_block, step_skipped
 from mpfused.reference.adam import sr_streams
-from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, f64_bits, i64_bits, load_f32
+from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, f64_bits, i64_bits
 from mpfused.triton_kernels._device import on_tensors_device
 from mpfused.triton_kernels._elementwise import (BLOCK, M64, advance_steps, for_each_tensor,
                                                  launch_options, scalar_operands)
@@ -47,9 +48,8 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, step_ptr, lr_
                  DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_LR: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_FOUND: tl.constexpr, HAS_NORM: tl.constexpr,
                  BLOCK: tl.constexpr):
-    if HAS_FOUND:
-        if tl.load(found_ptr) > 0.0:  # skipped step: nothing is touched
-            return
+    if step_skipped(found_ptr, HAS_FOUND):  # skipped step: nothing is touched
+        return
 
     # ---- per-tensor scalars (adam_math.h::adam_scalars) ---------------------------------------
     ti, b2, eps32, one_m_b1, one_m_b2, step_size, inv_bc2_sqrt, gm, decay, l2 = adam_scalars(
@@ -57,10 +57,7 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, step_ptr, lr_
         mgn_bits, HAS_LR, HAS_SCALE, HAS_NORM, MAXIMIZE, DECOUPLED)
 
     # ---- elements (adam_math.h::adam_element) -------------------------------------------------
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit indexing
-    mask = offs < n
-    w = load_weight(p_ptr, master_ptr, offs, mask, DT, MODE)
-    g = load_f32(g_ptr, offs, mask, DT)
+    offs, mask, w, g = load_block(p_ptr, g_ptr, master_ptr, n, DT, MODE, BLOCK)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
 

@@ -18,9 +18,10 @@ import triton.language as tl
 from mpfused.ops.checks import adam8bit_operands
 from mpfused.quant_maps import thresholds, zero_code
 from mpfused.triton_kernels._adam_scalars import adam_scalars
-from mpfused.triton_kernels._master import load_weight, store_weight
+from mpfused.triton_kernels._master import store_weight
+from mpfused.triton_kernels._step_block import block_offsets, load_param, step_skipped
 from mpfused.reference.adam import sr_streams
-from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, i64_bits, load_f32,
+from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, i64_bits,
                                           num_warps_for)
 from mpfused.triton_kernels._device import on_tensors_device
 from mpfused.triton_kernels._elementwise import advance_steps
@@ -38,19 +39,15 @@ def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_p
                      DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_LR: tl.constexpr,
                      HAS_SCALE: tl.constexpr, HAS_FOUND: tl.constexpr, HAS_NORM: tl.constexpr,
                      BLOCK: tl.constexpr, BITS: tl.constexpr = 8):
-    if HAS_FOUND:
-        if tl.load(found_ptr) > 0.0:  # skipped step: nothing is touched
-            return
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit indexing
-    mask = offs < n
+    if step_skipped(found_ptr, HAS_FOUND):  # skipped step: nothing is touched
+        return
+    offs, mask = block_offsets(n, BLOCK)
     # ---- per-tensor scalars (adam_math.h::adam_scalars), shared with triton_kernels/adam.py ----
     ti, b2, eps32, one_m_b1, one_m_b2, step_size, inv_bc2_sqrt, gm, decay, l2 = adam_scalars(
         step_ptr, lr_ptr, scale_ptr, norm_ptr, lr_bits, beta1_bits, beta2_bits, eps, wd_bits,
         mgn_bits, HAS_LR, HAS_SCALE, HAS_NORM, MAXIMIZE, DECOUPLED)
-    # ---- fp32 value of the param ----
-    w = load_weight(p_ptr, w_ptr, offs, mask, DT, MODE)
-    g = load_f32(g_ptr, offs, mask, DT)
+    # ---- fp32 value of the param, the grad ----
+    w, g = load_param(p_ptr, g_ptr, w_ptr, offs, mask, DT, MODE)
     # ---- dequantize with the old absmax, update in fp32 (adam_element) ----
     m = dequantize(c1_ptr, map1_ptr, a1_ptr, offs, mask, BITS)
     v = dequantize(c2_ptr, map2_ptr, a2_ptr, offs, mask, BITS)
