@@ -18,10 +18,10 @@ import torch
 
 from mpfused.master_modes import MASTER_DTYPE, REMAINDER8, kernel_mode
 from mpfused.quant4 import codes4_numel
+from mpfused.quant_maps import BLOCK_SIZES
 
 F32 = torch.float32
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)  # a block is one program: a power of two
 
 
 def fail(op: str, message: str) -> None:
