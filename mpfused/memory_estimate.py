@@ -9,6 +9,8 @@ import torch
 from torch import nn
 
 from mpfused.fp32_islands import _HALF, _fp32_islands
+from mpfused.quant4 import codes4_numel
+from mpfused.quant_maps import DEFAULT_BLOCK_SIZE
 
 # ---- estimate_memory -------------------------------------------------------------------------
 # recipe -> (description, 16-bit weights?, master bytes per 16-bit param, 8-bit state?)
@@ -71,12 +73,12 @@ STATES = {"adamw": 2, "adam": 2, "sgd": 1, "lion": 1}
 
 
 def _8bit_state_bytes(numel: int, block_size: int, states: int = 2, state_bits: int = 8) -> int:
-    codes = numel if state_bits == 8 else (numel + 1) // 2  # 4-bit: two codes per byte
+    codes = numel if state_bits == 8 else codes4_numel(numel)  # 4-bit: two codes per byte
     return states * (codes + 4 * math.ceil(numel / block_size))
 
 
 def estimate_memory(model_or_param_count, recipe: str = "master", *, keep_fp32=None,
-                    block_size: int = 256, min_8bit_size: int = 4096,
+                    block_size: int = DEFAULT_BLOCK_SIZE[8], min_8bit_size: int = 4096,
                     release: bool = False, optimizer: str = "adamw",
                     state_bits: int = 8) -> MemoryEstimate:
     """Bytes of weights, grads, master weights and optimizer state for a recipe (``RECIPES``):

@@ -19,10 +19,15 @@ import torch
 
 __all__ = ["create_dynamic_map", "signed_map", "unsigned_map", "thresholds", "quantize_blockwise",
            "dequantize_blockwise", "block_absmax", "num_blocks", "SIGNED_ZERO_CODE",
-           "UNSIGNED_ZERO_CODE"]
+           "UNSIGNED_ZERO_CODE", "BLOCK_SIZES", "DEFAULT_BLOCK_SIZE"]
 
 SIGNED_ZERO_CODE = 127
 UNSIGNED_ZERO_CODE = 0
+# The block sizes of block-wise state, stated once for the ops' checks, the optimizers and the
+# checkpoints: powers of two from 64 to 4096 (bitsandbytes' CUDA set; a Triton program is one
+# block). The default per code width: bitsandbytes' 256 (8-bit), torchao's 128 (4-bit).
+BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)
+DEFAULT_BLOCK_SIZE = {8: 256, 4: 128}
 
 
 def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7,

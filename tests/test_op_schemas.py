@@ -129,8 +129,8 @@ def test_fake_kernels_accept_every_valid_call(case):
 BAD = [(op, 2, kind) for op in STEP_OPS for kind in ("short", "dtype", "device")]
 
 
-@pytest.mark.parametrize("op,index,kind", BAD)
-def test_fake_kernel_names_the_bad_argument(op, index, kind):
+def _bad_case(op, index, kind):
+    """_case(op) with operand ``index`` broken by ``kind``: (args, kwargs, the message)."""
     args, kwargs = _case(op)
     name = _schema(op).arguments[index].name
     lst = args[index]
@@ -144,12 +144,66 @@ def test_fake_kernel_names_the_bad_argument(op, index, kind):
     else:
         args[index] = lst[:1] + [torch.empty_like(lst[1], device="meta")] + lst[2:]
         match = rf"mpfused: {op}: {name}\[1\] is on meta, expected cpu"
+    return args, kwargs, match
+
+
+@pytest.mark.parametrize("op,index,kind", BAD)
+def test_fake_kernel_names_the_bad_argument(op, index, kind):
+    args, kwargs, match = _bad_case(op, index, kind)
     with FakeTensorMode() as fm:
         with pytest.raises(RuntimeError, match=match):
             getattr(torch.ops.mpfused, op).default(*_fake(fm, args), **_fake(fm, kwargs))
 
 
-@pytest.mark.parametrize("op,key,value,match", [
+def _operand_lists(args):
+    return [t for a in args if isinstance(a, list) for t in a if t.device.type == "cpu"]
+
+
+def _bits(tensors):
+    """Each tensor's bytes (NaN-safe, any layout)."""
+    return [t.reshape(-1).contiguous().view(torch.uint8).clone() for t in tensors]
+
+
+@pytest.mark.parametrize("op,index,kind", BAD)
+def test_triton_launcher_checks_with_the_fake_kernels_rules(op, index, kind):
+    """Each operand rule is stated once in Python (ops/checks.py): the Triton launcher calls the
+    fake kernel's function (values=True), so the same fault gets the same message, before
+    anything is written."""
+    if "triton" not in OPS[op].available("cpu"):
+        pytest.skip("no Triton")
+    args, kwargs, match = _bad_case(op, index, kind)
+    with FakeTensorMode() as fm:
+        with pytest.raises(RuntimeError, match=match) as fake_error:
+            getattr(torch.ops.mpfused, op).default(*_fake(fm, args), **_fake(fm, kwargs))
+    tensors = _operand_lists(args)
+    before = _bits(tensors)
+    with pytest.raises(RuntimeError, match=match) as run_error:
+        OPS[op](*args, **kwargs, backend="triton")
+    assert str(run_error.value) == str(fake_error.value)
+    assert all(torch.equal(a, b) for a, b in zip(_bits(tensors), before))
+
+
+@pytest.mark.parametrize("op", STEP_OPS)
+def test_size_rules_are_checked_at_run_time_only(op):
+    """Sizes are values the fake kernels leave alone (values=False); the Triton launcher refuses
+    a state tensor one element short, naming it and the rule."""
+    args, kwargs = _case(op)
+    name = _schema(op).arguments[2].name
+    lst = args[2]
+    args[2] = lst[:1] + [lst[1].reshape(-1)[:-1].clone()] + lst[2:]
+    with FakeTensorMode() as fm:
+        getattr(torch.ops.mpfused, op).default(*_fake(fm, args), **_fake(fm, kwargs))
+    if "triton" not in OPS[op].available("cpu"):
+        pytest.skip("no Triton")
+    tensors = _operand_lists(args)
+    before = _bits(tensors)
+    with pytest.raises(RuntimeError, match=rf"mpfused: {op}: {name}\[1\] must be .*, got "
+                                           rf"\[{lst[1].numel() - 1}\]"):
+        OPS[op](*args, **kwargs, backend="triton")
+    assert all(torch.equal(a, b) for a, b in zip(_bits(tensors), before))
+
+
+BAD_KEYWORDS = [
     ("adam_step_", "found_inf", torch.zeros((), dtype=torch.float64),
      r"adam_step_: found_inf has dtype torch.float64, expected torch.float32"),
     ("adam_step_", "grad_scale", torch.ones((), device="meta"),
@@ -159,13 +213,30 @@ def test_fake_kernel_names_the_bad_argument(op, index, kind):
     ("lion8bit_step_", "master_mode", 9, r"lion8bit_step_: master_mode must be 0"),
     ("check_grads", "norm_sq", torch.zeros((), dtype=torch.float16),
      r"check_grads: norm_sq has dtype torch.float16, expected torch.float32"),
-])
+]
+
+
+@pytest.mark.parametrize("op,key,value,match", BAD_KEYWORDS)
 def test_fake_kernel_checks_the_keyword_arguments(op, key, value, match):
     args, kwargs = _case(op)
     kwargs[key] = value
     with FakeTensorMode() as fm:
         with pytest.raises(RuntimeError, match=match):
             getattr(torch.ops.mpfused, op).default(*_fake(fm, args), **_fake(fm, kwargs))
+
+
+@pytest.mark.parametrize("op,key,value,match", BAD_KEYWORDS)
+def test_triton_launcher_checks_the_keyword_arguments_alike(op, key, value, match):
+    if "triton" not in OPS[op].available("cpu"):
+        pytest.skip("no Triton")
+    args, kwargs = _case(op)
+    kwargs[key] = value
+    with FakeTensorMode() as fm:
+        with pytest.raises(RuntimeError, match=match) as fake_error:
+            getattr(torch.ops.mpfused, op).default(*_fake(fm, args), **_fake(fm, kwargs))
+    with pytest.raises(RuntimeError, match=match) as run_error:
+        OPS[op](*args, **kwargs, backend="triton")
+    assert str(run_error.value) == str(fake_error.value)
 
 
 # The run-time rule for the step counters, every backend of every step op: a 1-element float32

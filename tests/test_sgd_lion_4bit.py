@@ -281,3 +281,23 @@ def test_release_equals_ordinary_step(case, monkeypatch):
     ordinary = test_release._train(case, False, None, steps, resume_at=steps // 2)
     released = test_release._train(case, True, None, steps, resume_at=steps // 2)
     test_release._assert_identical(ordinary, released)
+
+
+@pytest.mark.parametrize("cls", ["AdamW8bit", "Adam8bit", "SGD8bit", "Lion8bit", "AdamW4bit",
+                                 "Adam4bit", "SGD4bit", "Lion4bit"])
+def test_block_size_default_is_stated_once(cls):
+    """Every 8-bit and 4-bit class defaults to block_size=None: the width's blocks, stated once
+    (quant_maps.DEFAULT_BLOCK_SIZE: bitsandbytes' 256, torchao's 4-bit 128)."""
+    import inspect
+
+    from mpfused.quant_maps import BLOCK_SIZES, DEFAULT_BLOCK_SIZE
+    klass = getattr(mpfused, cls)
+    init = next(c.__init__ for c in klass.__mro__ if "block_size" in
+                inspect.signature(c.__init__).parameters)
+    assert inspect.signature(init).parameters["block_size"].default is None
+    kw = dict(lr=0.01, momentum=0.9) if cls.startswith("SGD") else {}
+    opt = klass([torch.nn.Parameter(torch.zeros(8))], **kw)
+    assert opt.param_groups[0]["block_size"] == DEFAULT_BLOCK_SIZE[klass._STATE_BITS]
+    assert set(DEFAULT_BLOCK_SIZE.values()) <= set(BLOCK_SIZES)
+    est = inspect.signature(mpfused.amp.estimate_memory).parameters["block_size"].default
+    assert est == DEFAULT_BLOCK_SIZE[8]

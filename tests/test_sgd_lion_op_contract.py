@@ -219,7 +219,7 @@ BAD = [
     ("sgd_step_", "state", 1, lambda x: x.double(), r"momentum_buffers\[1\] must be"),
     ("lion_step_", "state", 0, lambda x: x.half(), r"exp_avgs\[0\] must be"),
     ("lion_step_", "state", None, lambda x: x[:1],
-     r"same length|exp_avgs has 1 tensors, params 2"),
+     r"same length|exp_avgs has 1 tensors, expected 2"),
     ("sgd_step_", "grads", 0, lambda x: x.float(), r"grads\[0\] must have"),
     ("lion_step_", "steps", 1, lambda x: x.double(), r"steps\[1\] must be a 1-element"),
     ("sgd_step_", "masters", None, lambda x: [],
@@ -251,7 +251,7 @@ def test_argument_checks(dev, backend):
     with pytest.raises(RuntimeError, match="momentum != 0 needs one momentum buffer per param"):
         OPS["sgd_step_"](*args, **kwargs, backend=backend)
     step("sgd_step_", {**s, "state": []}, backend, momentum=0.0)  # no buffers needed
-    with pytest.raises(RuntimeError, match=r"exp_avgs has 0 tensors, params 1|same length"):
+    with pytest.raises(RuntimeError, match=r"exp_avgs has 0 tensors, expected 1|same length"):
         step("lion_step_", {**s, "state": []}, backend)
     with pytest.raises(RuntimeError, match=r"grads\[0\] must have its param's dtype"):
         step("lion_step_", {**s, "grads": [s["grads"][0].half()]}, backend)

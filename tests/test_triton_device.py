@@ -48,7 +48,8 @@ def test_operands_on_another_device_are_refused():
             [torch.zeros(n, dtype=torch.uint8, device="meta")], [torch.ones(1)], [torch.ones(1)],
             [], [torch.zeros(())])
     from mpfused.quant_maps import signed_map, unsigned_map
-    with pytest.raises(RuntimeError, match=r"exp_avg_sqs\[0\] is on meta, params\[0\] on cpu"):
+    with pytest.raises(RuntimeError, match=r"exp_avg_sqs\[0\] is on meta, expected cpu "
+                                           r"\(the params' device\)"):
         adam8bit_step_(*args, signed_map(), unsigned_map(), block_size=256, lr=1e-3,
                        lr_tensor=None, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
                        maximize=False, decoupled=True, master_mode=0)

@@ -1,7 +1,8 @@
-"""Host side shared by the Triton elementwise optimizer steps (Adam, SGD, Lion): argument checks,
-the master mode a tensor gets, staging of layouts the kernels cannot update in place, the
-per-tensor launch loop (one launch per non-empty tensor: pointer tables are not portable to the
-interpreter) and the device-side step-counter advance.
+"""Host side shared by the Triton elementwise optimizer steps (Adam, SGD, Lion): the master mode a
+tensor gets, staging of layouts the kernels cannot update in place, the per-tensor launch loop
+(one launch per non-empty tensor: pointer tables are not portable to the interpreter) and the
+device-side step-counter advance. The argument checks are the ops' (mpfused/ops/checks.py's
+check_step with values=True, called by each launcher before anything is written).
 
 Sync-free: the step counters, lr_tensor, grad_scale, found_inf and norm_sq are only handed to
 the kernels, which read them on device. A kernel returns at once when found_inf > 0, and the step
@@ -15,87 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from mpfused.master_modes import MASTER_DTYPE, REMAINDER8, STOCHASTIC, kernel_mode
-from mpfused.triton_kernels._bits import DTYPE_CODE, num_warps_for
+from mpfused.master_modes import MASTER_DTYPE, STOCHASTIC, kernel_mode
+from mpfused.triton_kernels._bits import num_warps_for
 
 BLOCK = 2048
 M64 = (1 << 64) - 1
-
-
-def check_master_mode(params, masters, master_mode) -> None:
-    """The bindings' check_masters: a known mode, remainder8 only for bf16 (or fp32) params, and
-    masters of the mode's dtype (MASTER_DTYPE)."""
-    if int(master_mode) not in range(5):
-        raise RuntimeError("mpfused: master_mode must be 0 (none), 1 (fp32), 2 (remainder), "
-                           f"3 (stochastic) or 4 (remainder8), got {master_mode}")
-    want = MASTER_DTYPE.get(int(master_mode))
-    for i, p in enumerate(params):
-        if int(master_mode) == REMAINDER8 and p.dtype == torch.float16:
-            raise RuntimeError(f"mpfused: master_mode 4 (remainder8) needs bfloat16 (or float32) "
-                               f"params: params[{i}] is float16, which is not the top half of an "
-                               "fp32 word")
-        if want is not None and i < len(masters) and masters[i].dtype != want:
-            raise RuntimeError(f"mpfused: masters[{i}] must be {want}, got {masters[i].dtype}")
-
-
-def check_steps(steps, dev) -> None:
-    """The bindings' check_steps_and_scalars rule for the step counters: each a 1-element float32
-    tensor on the params' device (the kernels read it as fp32; advance_steps adds to it in place,
-    so another dtype would be refused only after the update, or not at all)."""
-    for i, t in enumerate(steps):
-        if t.numel() != 1 or t.dtype != torch.float32 or t.device != dev:
-            raise RuntimeError(f"mpfused: steps[{i}] must be a 1-element float32 tensor on {dev}, "
-                               f"got {list(t.shape)} {t.dtype} on {t.device}")
-
-
-def check_amp_scalars(grad_scale, found_inf, norm_sq) -> None:
-    """The bindings' check_scalar_f32 rule for the optional AMP scalars: each a 1-element float32
-    tensor (the kernels read it as fp32; their devices are checked with the other operands)."""
-    for name, t in (("grad_scale", grad_scale), ("found_inf", found_inf), ("norm_sq", norm_sq)):
-        if t is not None and (t.numel() != 1 or t.dtype != torch.float32):
-            raise RuntimeError(f"mpfused: {name} must be a 1-element float32 tensor, got "
-                               f"{list(t.shape)} {t.dtype}")
-
-
-def check_operands(op, params, grads, states, masters, steps, master_mode, lr_tensor, grad_scale,
-                   found_inf, norm_sq):
-    """The native bindings' checks. `states`: (name, tensors) pairs of fp32 per-param state, each
-    with one tensor per param (an optional state the caller leaves out when absent)."""
-    n = len(params)
-    for name, lst in [("grads", grads)] + list(states) + [("steps", steps)]:
-        if len(lst) != n:
-            raise RuntimeError(f"mpfused: {op}: {name} has {len(lst)} tensors, params {n}")
-    dev = params[0].device
-    for name, t in [("lr_tensor", lr_tensor), ("grad_scale", grad_scale), ("found_inf", found_inf),
-                    ("norm_sq", norm_sq)]:
-        if t is not None and (t.device != dev or t.numel() != 1):
-            raise RuntimeError(f"mpfused: {name} must be a 1-element tensor on {dev} (the "
-                               f"params' device), got {tuple(t.shape)} on {t.device}")
-    check_steps(steps, dev)
-    check_amp_scalars(grad_scale, found_inf, norm_sq)
-    check_master_mode(params, masters, master_mode)
-    for i, p in enumerate(params):
-        if p.dtype not in DTYPE_CODE:
-            raise RuntimeError(f"mpfused: params[{i}] must be float32, float16 or bfloat16, got {p.dtype}")
-        if grads[i].dtype != p.dtype:
-            raise RuntimeError(f"mpfused: grads[{i}] must have its param's dtype {p.dtype}, got "
-                               f"{grads[i].dtype}")
-        ops = [("grads", grads[i])] + [(name, lst[i]) for name, lst in states]
-        mode = kernel_mode(p.dtype, int(master_mode))
-        if mode in MASTER_DTYPE:
-            if len(masters) != n:
-                raise RuntimeError(f"mpfused: {op}: one master per param is required")
-            ops.append(("masters", masters[i]))
-        for name, t in [("params", p)] + ops:
-            if t.layout != torch.strided:
-                raise RuntimeError(f"mpfused: {name}[{i}] is sparse; mpfused optimizers support "
-                                   "dense tensors only")
-            if name == "params":
-                continue
-            if name not in ("grads", "masters") and t.dtype != torch.float32:
-                raise RuntimeError(f"mpfused: {name}[{i}] must be torch.float32, got {t.dtype}")
-            if t.numel() != p.numel() or t.device != p.device:
-                raise RuntimeError(f"mpfused: {name}[{i}] differs from params[{i}] in size or device")
 
 
 def dense(t: torch.Tensor) -> bool:

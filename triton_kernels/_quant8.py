@@ -1,8 +1,8 @@
 """Block-wise 8-bit optimizer state in Triton (csrc/include/mpfused/quant8_math.h transcribed),
 shared by the 8-bit kernels: one program per quantization block dequantizes its state with the
 block's old absmax, the kernel updates it in fp32, and store_quantized writes the new absmax and
-codes. Host side: the block sizes, the argument checks, the per-tensor launch loop, and the whole
-host side of the one-state steps (SGD, Lion).
+codes. Host side: the per-tensor launch loop and the whole host side of the one-state steps (SGD,
+Lion; their argument checks: mpfused/ops/checks.py's one_state_operands).
 """
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ import triton
 import triton.language as tl
 
 from mpfused.master_modes import MASTER_DTYPE, kernel_mode
+from mpfused.ops.checks import one_state_operands
 from mpfused.quant_maps import thresholds, zero_code as map_zero_code
 from mpfused.reference.adam import sr_streams
 from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, f64_bits, i64_bits
-from mpfused.triton_kernels._elementwise import (M64, advance_steps, check_amp_scalars,
-                                                 check_master_mode, check_steps, launch_options,
+from mpfused.triton_kernels._elementwise import (M64, advance_steps, launch_options,
                                                  scalar_operands)
 
 
@@ -90,21 +90,6 @@ def store_quantized(x, c_ptr, a_ptr, thr_ptr, offs, mask, zero_code,
 
 
 # ---- host side --------------------------------------------------------------------------------
-def check_block_size(block_size):
-    if block_size not in (64, 128, 256, 512, 1024, 2048, 4096):
-        raise ValueError(f"mpfused: block_size must be a power of two in [64, 4096], got {block_size}")
-
-
-def check_one_device(dev, lists, singles):
-    """Every tensor of `lists` ({name: tensors}) and `singles` ((name, tensor or None) pairs) on
-    `dev`."""
-    for name, t in [(f"{k}[{i}]", t) for k, ts in lists.items() for i, t in enumerate(ts)] + list(
-            singles):
-        if t is not None and t.device != dev:
-            raise RuntimeError(f"mpfused: {name} is on {t.device}, params[0] on {dev}: one device "
-                               "per call")
-
-
 def for_each_quantized(params, grads, masters, master_mode, launch):
     """launch(i, mode, param, grad, master or None) for each non-empty param, the operands
     contiguous (staged copies are written back after the launch)."""
@@ -123,52 +108,6 @@ def for_each_quantized(params, grads, masters, master_mode, launch):
             w.copy_(wk)
 
 
-def check_one_state(op, params, grads, state_name, codes, absmaxs, masters, steps, block_size,
-                    master_mode, bits=8):
-    """The native bindings' checks of a one-state 8-bit (4-bit: ``bits``) step: lengths, dtypes,
-    the codes' and absmax's sizes (a kernel indexes them by the param's blocks), masters, step
-    counters."""
-    n = len(params)
-    for name, lst in (("grads", grads), (state_name, codes), ("absmaxs", absmaxs),
-                      ("steps", steps)):
-        if len(lst) != n:
-            raise RuntimeError(f"mpfused: {op}: {name} has {len(lst)} tensors, params {n}")
-    check_block_size(block_size)
-    check_master_mode(params, masters, master_mode)
-    want_master = MASTER_DTYPE.get(int(master_mode))
-    for i, p in enumerate(params):
-        if p.dtype not in DTYPE_CODE:
-            raise RuntimeError(f"mpfused: params[{i}] must be float32, float16 or bfloat16, got "
-                               f"{p.dtype}")
-        if grads[i].dtype != p.dtype or grads[i].numel() != p.numel():
-            raise RuntimeError(f"mpfused: grads[{i}] must have its param's dtype {p.dtype} and "
-                               f"size {p.numel()}, got {grads[i].dtype} of {grads[i].numel()}")
-        if bits == 4:
-            if codes[i].dtype != torch.uint8 or codes[i].numel() != (p.numel() + 1) // 2 or not \
-                    codes[i].is_contiguous():
-                raise RuntimeError(f"mpfused: {state_name}[{i}] must be contiguous uint8 with "
-                                   f"ceil(numel / 2) = {(p.numel() + 1) // 2} bytes (two 4-bit "
-                                   "codes each)")
-        elif codes[i].dtype != torch.uint8 or codes[i].numel() != p.numel() or not \
-                codes[i].is_contiguous():
-            raise RuntimeError(f"mpfused: {state_name}[{i}] must be contiguous uint8 codes, one "
-                               f"per element of params[{i}]")
-        blocks = triton.cdiv(p.numel(), block_size)
-        a = absmaxs[i]
-        if a.dtype != torch.float32 or a.numel() != blocks or not a.is_contiguous():
-            raise RuntimeError(f"mpfused: absmaxs[{i}] must be contiguous float32 with "
-                               f"ceil(numel / block_size) = {blocks} entries, got {a.dtype} of "
-                               f"{a.numel()}")
-        if p.numel() and kernel_mode(p.dtype, int(master_mode)) in MASTER_DTYPE:
-            if len(masters) != n:
-                raise RuntimeError(f"mpfused: {op}: master_mode {master_mode} needs one master "
-                                   f"per param")
-            if masters[i].dtype != want_master or masters[i].numel() != p.numel():
-                raise RuntimeError(f"mpfused: masters[{i}] must be {want_master} of params[{i}]'s "
-                                   "size")
-    check_steps(steps, params[0].device)
-
-
 def one_state_step(kernel, op, state_name, params, grads, codes, absmaxs, masters, steps, qmap,
                    block_size, master_mode, hyper, lr_tensor, grad_scale, found_inf, norm_sq,
                    max_grad_norm, seed, param_ids, elem_offsets, bits=8, **constexprs):
@@ -180,18 +119,12 @@ def one_state_step(kernel, op, state_name, params, grads, codes, absmaxs, master
     (16-entry map, packed codes, no sign rule: zero_code -1)."""
     if not params:
         return
-    if bits == 4 and (qmap.numel() != 16 or qmap.dtype != torch.float32
-                      or not qmap.is_contiguous()):
-        raise RuntimeError(f"mpfused: {op}: qmap must be a contiguous float32 tensor of 16 "
-                           "entries")
-    check_one_state(op, params, grads, state_name, codes, absmaxs, masters, steps, block_size,
-                    master_mode, bits)
-    check_amp_scalars(grad_scale, found_inf, norm_sq)
+    one_state_operands(op, state_name, params, grads, codes, absmaxs, masters, steps, qmap,
+                       block_size=block_size, bits=bits, master_mode=master_mode,
+                       lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf,
+                       norm_sq=norm_sq, param_ids=param_ids, elem_offsets=elem_offsets,
+                       values=True)
     dev = params[0].device
-    check_one_device(dev, dict(params=params, grads=grads, **{state_name: codes},
-                               absmaxs=absmaxs, masters=masters, steps=steps),
-                     [("qmap", qmap), ("lr_tensor", lr_tensor), ("grad_scale", grad_scale),
-                      ("found_inf", found_inf), ("norm_sq", norm_sq)])
     thr, zc = thresholds(qmap), map_zero_code(qmap) if bits == 8 else -1
     if bits == 8 and zc <= 0:  # the sign rule steps one code below +0
         raise RuntimeError("mpfused: qmap must hold +0.0 above its lowest entry")

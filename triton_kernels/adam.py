@@ -4,7 +4,7 @@ non-empty tensor (no pointer tables: they are not portable to the interpreter).
 Sync-free: the step counters, lr_tensor, grad_scale, found_inf and norm_sq are read on device,
 inside the kernel. A program returns at once when found_inf > 0, and the step counters advance by
 (found_inf <= 0) with one foreach op, so a skipped step changes nothing at all (the launch loop,
-checks, staging and counters: _elementwise.py).
+staging and counters: _elementwise.py; the argument checks: mpfused/ops/checks.py).
 
 Numerics, as the CPU kernel (csrc/cpu/adam_cpu.cpp): per-tensor scalars formed once per program
 (fp32 beta2 and eps; 1 - beta1, 1 - beta2, lr * weight_decay, step_size = lr / (1 - beta1^t) and
@@ -29,13 +29,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mpfused.ops.checks import adam_operands
 from mpfused.triton_kernels._adam_scalars import adam_scalars
-from mpfused.triton_kernels._master import load_weight, store_weight
+from mpfused.triton_kernels._master import store_weight
+from mpfused.triton_kernels._step_block import load_block, step_skipped
 from mpfused.reference.adam import sr_streams
-from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, f64_bits, i64_bits, load_f32
+from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, f64_bits, i64_bits
 from mpfused.triton_kernels._device import on_tensors_device
-from mpfused.triton_kernels._elementwise import (BLOCK, M64, advance_steps, check_operands,
-                                                 for_each_tensor, launch_options, scalar_operands)
+from mpfused.triton_kernels._elementwise import (BLOCK, M64, advance_steps, for_each_tensor,
+                                                 launch_options, scalar_operands)
 
 
 @triton.jit(do_not_specialize=["lr_bits", "beta1_bits", "beta2_bits", "wd_bits", "mgn_bits",
@@ -46,9 +48,8 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, step_ptr, lr_
                  DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_LR: tl.constexpr,
                  HAS_SCALE: tl.constexpr, HAS_FOUND: tl.constexpr, HAS_NORM: tl.constexpr,
                  BLOCK: tl.constexpr):
-    if HAS_FOUND:
-        if tl.load(found_ptr) > 0.0:  # skipped step: nothing is touched
-            return
+    if step_skipped(found_ptr, HAS_FOUND):  # skipped step: nothing is touched
+        return
 
     # ---- per-tensor scalars (adam_math.h::adam_scalars) ---------------------------------------
     ti, b2, eps32, one_m_b1, one_m_b2, step_size, inv_bc2_sqrt, gm, decay, l2 = adam_scalars(
@@ -56,10 +57,7 @@ def _adam_kernel(p_ptr, g_ptr, m_ptr, v_ptr, vmax_ptr, master_ptr, step_ptr, lr_
         mgn_bits, HAS_LR, HAS_SCALE, HAS_NORM, MAXIMIZE, DECOUPLED)
 
     # ---- elements (adam_math.h::adam_element) -------------------------------------------------
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit indexing
-    mask = offs < n
-    w = load_weight(p_ptr, master_ptr, offs, mask, DT, MODE)
-    g = load_f32(g_ptr, offs, mask, DT)
+    offs, mask, w, g = load_block(p_ptr, g_ptr, master_ptr, n, DT, MODE, BLOCK)
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
 
@@ -89,13 +87,10 @@ def adam_step_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, s
                seed=0, param_ids=(), elem_offsets=()):
     if not params:
         return
-    if amsgrad and len(max_exp_avg_sqs) != len(params):
-        raise RuntimeError("mpfused: amsgrad needs one max_exp_avg_sq per param")
-    states = [("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)]
-    if amsgrad:
-        states.append(("max_exp_avg_sqs", max_exp_avg_sqs))
-    check_operands("adam_step_", params, grads, states, masters, steps, master_mode, lr_tensor,
-                   grad_scale, found_inf, norm_sq)
+    adam_operands("adam_step_", params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters,
+                  steps, amsgrad=amsgrad, master_mode=master_mode, lr_tensor=lr_tensor,
+                  grad_scale=grad_scale, found_inf=found_inf, norm_sq=norm_sq,
+                  param_ids=param_ids, elem_offsets=elem_offsets, values=True)
     streams = sr_streams(len(params), param_ids, elem_offsets)
     seed_u64 = int(seed) & M64
     b1_bits, b2_bits, mgn_bits = f64_bits(beta1), f64_bits(beta2), f64_bits(max_grad_norm)

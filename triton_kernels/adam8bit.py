@@ -15,17 +15,17 @@ import torch
 import triton
 import triton.language as tl
 
+from mpfused.ops.checks import adam8bit_operands
 from mpfused.quant_maps import thresholds, zero_code
 from mpfused.triton_kernels._adam_scalars import adam_scalars
-from mpfused.triton_kernels._master import load_weight, store_weight
+from mpfused.triton_kernels._master import store_weight
+from mpfused.triton_kernels._step_block import block_offsets, load_param, step_skipped
 from mpfused.reference.adam import sr_streams
-from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, i64_bits, load_f32,
+from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, i64_bits,
                                           num_warps_for)
 from mpfused.triton_kernels._device import on_tensors_device
-from mpfused.triton_kernels._elementwise import (advance_steps, check_amp_scalars,
-                                                 check_master_mode, check_steps)
-from mpfused.triton_kernels._quant8 import (check_block_size, check_one_device, dequantize,
-                                            for_each_quantized, store_quantized)
+from mpfused.triton_kernels._elementwise import advance_steps
+from mpfused.triton_kernels._quant8 import dequantize, for_each_quantized, store_quantized
 
 _M64 = (1 << 64) - 1
 
@@ -39,19 +39,15 @@ def _adam8bit_kernel(p_ptr, g_ptr, c1_ptr, c2_ptr, w_ptr, a1_ptr, a2_ptr, map1_p
                      DECOUPLED: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_LR: tl.constexpr,
                      HAS_SCALE: tl.constexpr, HAS_FOUND: tl.constexpr, HAS_NORM: tl.constexpr,
                      BLOCK: tl.constexpr, BITS: tl.constexpr = 8):
-    if HAS_FOUND:
-        if tl.load(found_ptr) > 0.0:  # skipped step: nothing is touched
-            return
-    pid = tl.program_id(0)
-    offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit indexing
-    mask = offs < n
+    if step_skipped(found_ptr, HAS_FOUND):  # skipped step: nothing is touched
+        return
+    offs, mask = block_offsets(n, BLOCK)
     # ---- per-tensor scalars (adam_math.h::adam_scalars), shared with triton_kernels/adam.py ----
     ti, b2, eps32, one_m_b1, one_m_b2, step_size, inv_bc2_sqrt, gm, decay, l2 = adam_scalars(
         step_ptr, lr_ptr, scale_ptr, norm_ptr, lr_bits, beta1_bits, beta2_bits, eps, wd_bits,
         mgn_bits, HAS_LR, HAS_SCALE, HAS_NORM, MAXIMIZE, DECOUPLED)
-    # ---- fp32 value of the param ----
-    w = load_weight(p_ptr, w_ptr, offs, mask, DT, MODE)
-    g = load_f32(g_ptr, offs, mask, DT)
+    # ---- fp32 value of the param, the grad ----
+    w, g = load_param(p_ptr, g_ptr, w_ptr, offs, mask, DT, MODE)
     # ---- dequantize with the old absmax, update in fp32 (adam_element) ----
     m = dequantize(c1_ptr, map1_ptr, a1_ptr, offs, mask, BITS)
     v = dequantize(c2_ptr, map2_ptr, a2_ptr, offs, mask, BITS)
@@ -78,22 +74,13 @@ def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, mas
                    _bits=8):
     if not params:
         return
-    if _bits == 4:
-        _check_4bit(params, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, qmap1, qmap2, block_size)
+    adam8bit_operands(f"adam{_bits}bit_step_", params, grads, exp_avgs, exp_avg_sqs, absmax1s,
+                      absmax2s, masters, steps, qmap1, qmap2, block_size=block_size, bits=_bits,
+                      master_mode=master_mode, lr_tensor=lr_tensor, grad_scale=grad_scale,
+                      found_inf=found_inf, norm_sq=norm_sq, param_ids=param_ids,
+                      elem_offsets=elem_offsets, values=True)
     streams = sr_streams(len(params), param_ids, elem_offsets)
-    check_block_size(block_size)
     dev = params[0].device
-    lists = dict(params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
-                 absmax1s=absmax1s, absmax2s=absmax2s, masters=masters, steps=steps)
-    check_master_mode(params, masters, master_mode)
-    if len(steps) != len(params):
-        raise RuntimeError(f"mpfused: adam{_bits}bit_step_: steps has {len(steps)} tensors, "
-                           f"params {len(params)}")
-    check_steps(steps, dev)
-    check_amp_scalars(grad_scale, found_inf, norm_sq)
-    check_one_device(dev, lists, [("qmap1", qmap1), ("qmap2", qmap2), ("lr_tensor", lr_tensor),
-                                  ("grad_scale", grad_scale), ("found_inf", found_inf),
-                                  ("norm_sq", norm_sq)])
     thr1, thr2 = thresholds(qmap1), thresholds(qmap2)
     zc = zero_code(qmap1)
     has_norm = norm_sq is not None and max_grad_norm > 0
@@ -120,22 +107,6 @@ def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, mas
 
     for_each_quantized(params, grads, masters, master_mode, launch)
     advance_steps(steps, found_inf)  # on device, by a taken step only
-
-
-def _check_4bit(params, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, qmap1, qmap2, block_size):
-    """The native binding's size rules of adam4bit_step_ (a kernel indexes by them)."""
-    for name, m in (("qmap1", qmap1), ("qmap2", qmap2)):
-        if m.numel() != 16 or m.dtype != torch.float32 or not m.is_contiguous():
-            raise RuntimeError(f"mpfused: {name} must be a contiguous float32 tensor of 16 entries")
-    for i, p in enumerate(params):
-        for name, c in (("exp_avgs", exp_avgs[i]), ("exp_avg_sqs", exp_avg_sqs[i])):
-            if c.dtype != torch.uint8 or c.numel() != (p.numel() + 1) // 2 or not c.is_contiguous():
-                raise RuntimeError(f"mpfused: {name}[{i}] must be contiguous uint8 with "
-                                   f"ceil(numel / 2) = {(p.numel() + 1) // 2} bytes")
-        for name, a in (("absmax1s", absmax1s[i]), ("absmax2s", absmax2s[i])):
-            if a.dtype != torch.float32 or a.numel() != triton.cdiv(p.numel(), block_size):
-                raise RuntimeError(f"mpfused: {name}[{i}] must be float32 with ceil(numel / "
-                                   "block_size) entries")
 
 
 def adam4bit_step_(*args, **kwargs):

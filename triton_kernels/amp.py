@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mpfused.ops.checks import check_amp
 from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, f64_from_bits,
                                           is_nonfinite, load_f32, num_warps_for, store_f32)
 from mpfused.triton_kernels._device import on_tensors_device
@@ -32,13 +33,8 @@ def _check_kernel(x_ptr, n, inv_ptr, found_ptr, partial_ptr, DT: tl.constexpr,
 
 
 def _check(grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor, write):
-    dev = found_inf.device
-    for name, t in [("inv_scale", inv_scale), ("norm_sq", norm_sq),
-                    ("norm_sq_per_tensor", norm_sq_per_tensor)] + [(f"grads[{i}]", g)
-                                                                   for i, g in enumerate(grads)]:
-        if t is not None and t.device != dev:
-            raise RuntimeError(f"mpfused: {name} is on {t.device}, found_inf on {dev}: one "
-                               "device per call")
+    check_amp("unscale_grads_" if write else "check_grads", grads, found_inf, inv_scale, norm_sq,
+              norm_sq_per_tensor, values=True)
     norm = norm_sq is not None or norm_sq_per_tensor is not None
     total = None
     for i, g in enumerate(grads):

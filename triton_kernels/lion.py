@@ -18,11 +18,13 @@ import triton.language as tl
 
 from mpfused.reference.adam import sr_streams
 from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, f64_from_bits,
-                                          i64_bits, load_f32)
+                                          i64_bits)
 from mpfused.triton_kernels._device import on_tensors_device
-from mpfused.triton_kernels._elementwise import (BLOCK, M64, advance_steps, check_operands,
-                                                 for_each_tensor, launch_options, scalar_operands)
-from mpfused.triton_kernels._master import load_weight, store_weight
+from mpfused.ops.checks import lion_operands
+from mpfused.triton_kernels._elementwise import (BLOCK, M64, advance_steps, for_each_tensor,
+                                                 launch_options, scalar_operands)
+from mpfused.triton_kernels._master import store_weight
+from mpfused.triton_kernels._step_block import load_block, step_skipped
 from mpfused.triton_kernels._step_scalars import grad_multiplier, read_lr, step_number
 
 
@@ -64,9 +66,8 @@ def _lion_kernel(p_ptr, g_ptr, m_ptr, master_ptr, step_ptr, lr_ptr, scale_ptr, f
                  DT: tl.constexpr, MODE: tl.constexpr, MAXIMIZE: tl.constexpr,
                  HAS_LR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FOUND: tl.constexpr,
                  HAS_NORM: tl.constexpr, BLOCK: tl.constexpr):
-    if HAS_FOUND:
-        if tl.load(found_ptr) > 0.0:  # skipped step: nothing is touched
-            return
+    if step_skipped(found_ptr, HAS_FOUND):  # skipped step: nothing is touched
+        return
 
     # ---- per-tensor scalars ---------------------------------------------------------------------
     lr, decay_mult, b1, one_m_b1, b2, one_m_b2, gm = lion_scalars(
@@ -74,10 +75,8 @@ def _lion_kernel(p_ptr, g_ptr, m_ptr, master_ptr, step_ptr, lr_ptr, scale_ptr, f
         HAS_SCALE, HAS_NORM, MAXIMIZE)
 
     # ---- elements ------------------------------------------------------------------------------
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit indexing
-    mask = offs < n
-    w = load_weight(p_ptr, master_ptr, offs, mask, DT, MODE)
-    g = load_f32(g_ptr, offs, mask, DT) * gm
+    offs, mask, w, g = load_block(p_ptr, g_ptr, master_ptr, n, DT, MODE, BLOCK)
+    g = g * gm
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     w, m = lion_element(w, g, m, lr, decay_mult, b1, one_m_b1, b2, one_m_b2)
     tl.store(m_ptr + offs, m, mask=mask)
@@ -91,8 +90,9 @@ def lion_step_(params, grads, exp_avgs, masters, steps, *, lr, lr_tensor, beta1,
                max_grad_norm=0.0, seed=0, param_ids=(), elem_offsets=()):
     if not params:
         return
-    check_operands("lion_step_", params, grads, [("exp_avgs", exp_avgs)], masters, steps,
-                   master_mode, lr_tensor, grad_scale, found_inf, norm_sq)
+    lion_operands("lion_step_", params, grads, exp_avgs, masters, steps, master_mode=master_mode,
+                  lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf,
+                  norm_sq=norm_sq, param_ids=param_ids, elem_offsets=elem_offsets, values=True)
     streams = sr_streams(len(params), param_ids, elem_offsets)
     seed_u64 = int(seed) & M64
     hyper_bits = [f64_bits(x) for x in (lr, beta1, beta2, weight_decay, max_grad_norm)]

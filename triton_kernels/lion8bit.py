@@ -17,9 +17,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mpfused.triton_kernels._bits import load_f32
 from mpfused.triton_kernels._device import on_tensors_device
-from mpfused.triton_kernels._master import load_weight, store_weight
+from mpfused.triton_kernels._master import store_weight
+from mpfused.triton_kernels._step_block import load_block, step_skipped
 from mpfused.triton_kernels._quant8 import dequantize, one_state_step, store_quantized
 from mpfused.triton_kernels._step_scalars import step_number
 from mpfused.triton_kernels.lion import lion_element, lion_scalars
@@ -33,9 +33,8 @@ def _lion8bit_kernel(p_ptr, g_ptr, c_ptr, a_ptr, w_ptr, map_ptr, thr_ptr, step_p
                      HAS_LR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_FOUND: tl.constexpr,
                      HAS_NORM: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr,
                      BITS: tl.constexpr = 8):
-    if HAS_FOUND:
-        if tl.load(found_ptr) > 0.0:  # skipped step: nothing is touched
-            return
+    if step_skipped(found_ptr, HAS_FOUND):  # skipped step: nothing is touched
+        return
 
     # ---- per-tensor scalars ---------------------------------------------------------------------
     lr, decay_mult, b1, one_m_b1, b2, one_m_b2, gm = lion_scalars(
@@ -43,10 +42,8 @@ def _lion8bit_kernel(p_ptr, g_ptr, c_ptr, a_ptr, w_ptr, map_ptr, thr_ptr, step_p
         HAS_SCALE, HAS_NORM, MAXIMIZE)
 
     # ---- the block: dequantize, update in fp32, store the param, requantize --------------------
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit indexing
-    mask = offs < n
-    w = load_weight(p_ptr, w_ptr, offs, mask, DT, MODE)
-    g = load_f32(g_ptr, offs, mask, DT) * gm
+    offs, mask, w, g = load_block(p_ptr, g_ptr, w_ptr, n, DT, MODE, BLOCK)
+    g = g * gm
     m = dequantize(c_ptr, map_ptr, a_ptr, offs, mask, BITS)
     w, m = lion_element(w, g, m, lr, decay_mult, b1, one_m_b1, b2, one_m_b2)
     ti = step_number(step_ptr).to(tl.int64)  # the stochastic-rounding draw of step t

@@ -20,11 +20,13 @@ import triton.language as tl
 
 from mpfused.reference.adam import sr_streams
 from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, f64_from_bits,
-                                          i64_bits, load_f32)
+                                          i64_bits)
 from mpfused.triton_kernels._device import on_tensors_device
-from mpfused.triton_kernels._elementwise import (BLOCK, M64, advance_steps, check_operands,
-                                                 for_each_tensor, launch_options, scalar_operands)
-from mpfused.triton_kernels._master import load_weight, store_weight
+from mpfused.ops.checks import sgd_operands
+from mpfused.triton_kernels._elementwise import (BLOCK, M64, advance_steps, for_each_tensor,
+                                                 launch_options, scalar_operands)
+from mpfused.triton_kernels._master import store_weight
+from mpfused.triton_kernels._step_block import load_block, step_skipped
 from mpfused.triton_kernels._step_scalars import grad_multiplier, read_lr, step_number
 
 
@@ -65,9 +67,8 @@ def _sgd_kernel(p_ptr, g_ptr, buf_ptr, master_ptr, step_ptr, lr_ptr, scale_ptr, 
                 NESTEROV: tl.constexpr, MAXIMIZE: tl.constexpr, HAS_LR: tl.constexpr,
                 HAS_SCALE: tl.constexpr, HAS_FOUND: tl.constexpr, HAS_NORM: tl.constexpr,
                 BLOCK: tl.constexpr):
-    if HAS_FOUND:
-        if tl.load(found_ptr) > 0.0:  # skipped step: nothing is touched
-            return
+    if step_skipped(found_ptr, HAS_FOUND):  # skipped step: nothing is touched
+        return
 
     # ---- per-tensor scalars ---------------------------------------------------------------------
     t, lr, wd, momentum, one_m_damp, gm = sgd_scalars(
@@ -76,10 +77,8 @@ def _sgd_kernel(p_ptr, g_ptr, buf_ptr, master_ptr, step_ptr, lr_ptr, scale_ptr, 
     first = t <= 1.0
 
     # ---- elements ------------------------------------------------------------------------------
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit indexing
-    mask = offs < n
-    w = load_weight(p_ptr, master_ptr, offs, mask, DT, MODE)
-    g = load_f32(g_ptr, offs, mask, DT) * gm
+    offs, mask, w, g = load_block(p_ptr, g_ptr, master_ptr, n, DT, MODE, BLOCK)
+    g = g * gm
     buf = g  # no buffer without MOMENTUM
     if MOMENTUM:
         buf = tl.load(buf_ptr + offs, mask=mask, other=0.0)
@@ -95,12 +94,11 @@ def sgd_step_(params, grads, momentum_buffers, masters, steps, *, lr, lr_tensor,
               norm_sq=None, max_grad_norm=0.0, seed=0, param_ids=(), elem_offsets=()):
     if not params:
         return
+    sgd_operands("sgd_step_", params, grads, momentum_buffers, masters, steps, momentum=momentum,
+                 master_mode=master_mode, lr_tensor=lr_tensor, grad_scale=grad_scale,
+                 found_inf=found_inf, norm_sq=norm_sq, param_ids=param_ids,
+                 elem_offsets=elem_offsets, values=True)
     has_momentum = momentum != 0
-    if has_momentum and len(momentum_buffers) != len(params):
-        raise RuntimeError("mpfused: sgd_step_: momentum != 0 needs one momentum buffer per param")
-    states = [("momentum_buffers", momentum_buffers)] if has_momentum else []
-    check_operands("sgd_step_", params, grads, states, masters, steps, master_mode, lr_tensor,
-                   grad_scale, found_inf, norm_sq)
     streams = sr_streams(len(params), param_ids, elem_offsets)
     seed_u64 = int(seed) & M64
     hyper_bits = [f64_bits(x) for x in (lr, momentum, dampening, weight_decay, max_grad_norm)]

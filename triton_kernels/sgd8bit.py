@@ -18,9 +18,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mpfused.triton_kernels._bits import load_f32
+from mpfused.ops.checks import check_quantized_momentum
 from mpfused.triton_kernels._device import on_tensors_device
-from mpfused.triton_kernels._master import load_weight, store_weight
+from mpfused.triton_kernels._master import store_weight
+from mpfused.triton_kernels._step_block import load_block, step_skipped
 from mpfused.triton_kernels._quant8 import dequantize, one_state_step, store_quantized
 from mpfused.triton_kernels.sgd import sgd_element, sgd_scalars
 
@@ -33,9 +34,8 @@ def _sgd8bit_kernel(p_ptr, g_ptr, c_ptr, a_ptr, w_ptr, map_ptr, thr_ptr, step_pt
                     MODE: tl.constexpr, HAS_LR: tl.constexpr, HAS_SCALE: tl.constexpr,
                     HAS_FOUND: tl.constexpr, HAS_NORM: tl.constexpr, NESTEROV: tl.constexpr,
                     MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr, BITS: tl.constexpr = 8):
-    if HAS_FOUND:
-        if tl.load(found_ptr) > 0.0:  # skipped step: nothing is touched
-            return
+    if step_skipped(found_ptr, HAS_FOUND):  # skipped step: nothing is touched
+        return
 
     # ---- per-tensor scalars ---------------------------------------------------------------------
     t, lr, wd, momentum, one_m_damp, gm = sgd_scalars(
@@ -44,10 +44,8 @@ def _sgd8bit_kernel(p_ptr, g_ptr, c_ptr, a_ptr, w_ptr, map_ptr, thr_ptr, step_pt
     first = t <= 1.0
 
     # ---- the block: dequantize, update in fp32, store the param, requantize --------------------
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # 64-bit indexing
-    mask = offs < n
-    w = load_weight(p_ptr, w_ptr, offs, mask, DT, MODE)
-    g = load_f32(g_ptr, offs, mask, DT) * gm
+    offs, mask, w, g = load_block(p_ptr, g_ptr, w_ptr, n, DT, MODE, BLOCK)
+    g = g * gm
     buf = dequantize(c_ptr, map_ptr, a_ptr, offs, mask, BITS)
     w, buf = sgd_element(w, g, buf, lr, wd, momentum, one_m_damp, first, True, NESTEROV)
     store_weight(w, p_ptr, w_ptr, offs, mask, seed, t.to(tl.int64), stream, DT, MODE)
@@ -60,8 +58,7 @@ def sgd8bit_step_(params, grads, momentum_buffers, absmaxs, masters, steps, qmap
                   grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0, seed=0,
                   param_ids=(), elem_offsets=(), _bits=8):
     op = "sgd8bit_step_" if _bits == 8 else "sgd4bit_step_"
-    if not momentum > 0:  # the quantized state is the buffer: plain SGD has none (bnb too)
-        raise RuntimeError(f"mpfused: {op}: momentum must be > 0, got {momentum}")
+    check_quantized_momentum(op, momentum)
     one_state_step(_sgd8bit_kernel, op, "momentum_buffers", params, grads,
                    momentum_buffers, absmaxs, masters, steps, qmap, block_size, master_mode,
                    (lr, momentum, dampening, weight_decay), lr_tensor, grad_scale, found_inf,

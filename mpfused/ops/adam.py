@@ -14,21 +14,9 @@ from typing import Sequence
 
 from torch import Tensor
 
-from mpfused.ops.checks import check_step
+from mpfused.ops.checks import adam_operands, fake_kernel
 from mpfused.ops.registry import define_op
 from mpfused.reference import adam as ref
-
-
-def _fake(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, masters, steps, *, lr,
-          lr_tensor, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled, master_mode,
-          grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0, seed=0,
-          param_ids=(), elem_offsets=()):
-    check_step("adam_step_", params, grads,
-               [("exp_avgs", exp_avgs, True), ("exp_avg_sqs", exp_avg_sqs, True),
-                ("max_exp_avg_sqs", max_exp_avg_sqs, bool(amsgrad))], masters, steps,
-               master_mode=master_mode, lr_tensor=lr_tensor, grad_scale=grad_scale,
-               found_inf=found_inf, norm_sq=norm_sq, param_ids=param_ids,
-               elem_offsets=elem_offsets)
 
 
 _op = define_op(
@@ -39,7 +27,7 @@ _op = define_op(
     "Tensor? grad_scale=None, Tensor? found_inf=None, Tensor? norm_sq=None, "
     "float max_grad_norm=0.0, int seed=0, int[] param_ids=[], int[] elem_offsets=[]) -> ()",
     reference=ref.adam_step_,
-    fake=_fake,
+    fake=fake_kernel(adam_operands, "adam_step_"),
     triton="mpfused.triton_kernels.adam:adam_step_",
 )
 

@@ -11,14 +11,15 @@ found_inf > 0 (nothing changes, step counters included), fused clipping and stoc
 streams as adam8bit_step_."""
 from __future__ import annotations
 
-from mpfused.ops.adam8bit import ARGS, fake_for, adam8bit_step_
+from mpfused.ops.adam8bit import ARGS, adam8bit_step_
+from mpfused.ops.checks import adam8bit_operands, fake_kernel
 from mpfused.ops.registry import define_op
 from mpfused.reference import adam4bit as ref
 
 _op = define_op(
     "adam4bit_step_" + ARGS,
     reference=ref.adam4bit_step_,
-    fake=fake_for("adam4bit_step_"),
+    fake=fake_kernel(adam8bit_operands, "adam4bit_step_", bits=4),
     triton="mpfused.triton_kernels.adam8bit:adam4bit_step_",
 )
 

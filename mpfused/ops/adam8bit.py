@@ -10,7 +10,7 @@ from typing import Sequence
 
 from torch import Tensor
 
-from mpfused.ops.checks import check_step
+from mpfused.ops.checks import adam8bit_operands, fake_kernel
 from mpfused.ops.registry import define_op
 from mpfused.reference import adam8bit as ref
 
@@ -24,25 +24,10 @@ ARGS = ("(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
         "int[] param_ids=[], int[] elem_offsets=[]) -> ()")
 
 
-def fake_for(name: str):
-    """The fake kernel of an op with ARGS (uint8 codes, fp32 absmax, fp32 maps)."""
-    def fake(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters, steps, qmap1,
-             qmap2, *, block_size, lr, lr_tensor, beta1, beta2, eps, weight_decay, maximize,
-             decoupled, master_mode, grad_scale=None, found_inf=None, norm_sq=None,
-             max_grad_norm=0.0, seed=0, param_ids=(), elem_offsets=()):
-        check_step(name, params, grads,
-                   [("absmax1s", absmax1s, True), ("absmax2s", absmax2s, True)], masters, steps,
-                   codes=[("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)],
-                   qmaps=[("qmap1", qmap1), ("qmap2", qmap2)], master_mode=master_mode,
-                   lr_tensor=lr_tensor, grad_scale=grad_scale, found_inf=found_inf,
-                   norm_sq=norm_sq, param_ids=param_ids, elem_offsets=elem_offsets)
-    return fake
-
-
 _op = define_op(
     "adam8bit_step_" + ARGS,
     reference=ref.adam8bit_step_,
-    fake=fake_for("adam8bit_step_"),
+    fake=fake_kernel(adam8bit_operands, "adam8bit_step_"),
     triton="mpfused.triton_kernels.adam8bit:adam8bit_step_",
 )
 

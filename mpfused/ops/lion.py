@@ -8,18 +8,9 @@ from typing import Sequence
 
 from torch import Tensor
 
-from mpfused.ops.checks import check_step
+from mpfused.ops.checks import fake_kernel, lion_operands
 from mpfused.ops.registry import define_op
 from mpfused.reference import lion as ref
-
-
-def _fake(params, grads, exp_avgs, masters, steps, *, lr, lr_tensor, beta1, beta2, weight_decay,
-          maximize, master_mode, grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0,
-          seed=0, param_ids=(), elem_offsets=()):
-    check_step("lion_step_", params, grads, [("exp_avgs", exp_avgs, True)], masters, steps,
-               master_mode=master_mode, lr_tensor=lr_tensor, grad_scale=grad_scale,
-               found_inf=found_inf, norm_sq=norm_sq, param_ids=param_ids,
-               elem_offsets=elem_offsets)
 
 
 _op = define_op(
@@ -29,7 +20,7 @@ _op = define_op(
     "Tensor? grad_scale=None, Tensor? found_inf=None, Tensor? norm_sq=None, "
     "float max_grad_norm=0.0, int seed=0, int[] param_ids=[], int[] elem_offsets=[]) -> ()",
     reference=ref.lion_step_,
-    fake=_fake,
+    fake=fake_kernel(lion_operands, "lion_step_"),
     triton="mpfused.triton_kernels.lion:lion_step_",
 )
 

@@ -12,7 +12,7 @@ one only in a CUDA build, checked by nvcc and the host emulation, never on a GPU
 router serves the Triton kernel on CUDA."""
 from __future__ import annotations
 
-from mpfused.ops.checks import one_state_fake
+from mpfused.ops.checks import fake_kernel, one_state_operands
 from mpfused.ops.lion8bit import ARGS, lion8bit_step_
 from mpfused.ops.registry import define_op
 from mpfused.reference import lion4bit as ref
@@ -20,7 +20,8 @@ from mpfused.reference import lion4bit as ref
 _op = define_op(
     "lion4bit_step_" + ARGS,
     reference=ref.lion4bit_step_,
-    fake=one_state_fake("lion4bit_step_", "exp_avgs"),
+    fake=fake_kernel(one_state_operands, "lion4bit_step_", "exp_avgs",
+                     bits=4),
     triton="mpfused.triton_kernels.lion8bit:lion4bit_step_",
 )
 

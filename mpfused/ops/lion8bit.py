@@ -10,7 +10,7 @@ from typing import Sequence
 
 from torch import Tensor
 
-from mpfused.ops.checks import one_state_fake
+from mpfused.ops.checks import fake_kernel, one_state_operands
 from mpfused.ops.registry import define_op
 from mpfused.reference import lion8bit as ref
 
@@ -27,7 +27,7 @@ ARGS = ("(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
 _op = define_op(
     "lion8bit_step_" + ARGS,
     reference=ref.lion8bit_step_,
-    fake=one_state_fake("lion8bit_step_", "exp_avgs"),
+    fake=fake_kernel(one_state_operands, "lion8bit_step_", "exp_avgs"),
     triton="mpfused.triton_kernels.lion8bit:lion8bit_step_",
 )
 

@@ -15,14 +15,15 @@ emulation, never on a GPU); without it the router serves the Triton kernel on CU
 from __future__ import annotations
 
 from mpfused.ops.registry import define_op
-from mpfused.ops.checks import one_state_fake
+from mpfused.ops.checks import fake_kernel, one_state_operands
 from mpfused.ops.sgd8bit import ARGS, sgd8bit_step_
 from mpfused.reference import sgd4bit as ref
 
 _op = define_op(
     "sgd4bit_step_" + ARGS,
     reference=ref.sgd4bit_step_,
-    fake=one_state_fake("sgd4bit_step_", "momentum_buffers"),
+    fake=fake_kernel(one_state_operands, "sgd4bit_step_", "momentum_buffers",
+                     bits=4),
     triton="mpfused.triton_kernels.sgd8bit:sgd4bit_step_",
 )
 

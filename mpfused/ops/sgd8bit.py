@@ -12,7 +12,7 @@ from typing import Sequence
 
 from torch import Tensor
 
-from mpfused.ops.checks import one_state_fake
+from mpfused.ops.checks import fake_kernel, one_state_operands
 from mpfused.ops.registry import define_op
 from mpfused.reference import sgd8bit as ref
 
@@ -29,7 +29,7 @@ ARGS = ("(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
 _op = define_op(
     "sgd8bit_step_" + ARGS,
     reference=ref.sgd8bit_step_,
-    fake=one_state_fake("sgd8bit_step_", "momentum_buffers"),
+    fake=fake_kernel(one_state_operands, "sgd8bit_step_", "momentum_buffers"),
     triton="mpfused.triton_kernels.sgd8bit:sgd8bit_step_",
 )
 

@@ -15,12 +15,11 @@ from mpfused.distributed_8bit import _from_global, _like_param, _to_global
 from mpfused.optim._overrides import _kept_32bit_ids
 from mpfused import quant4
 from mpfused.optim._quant_state import QuantState, parse_quant_states  # noqa: F401  (re-export)
-from mpfused.quant_maps import (dequantize_blockwise, num_blocks, quantize_blockwise, signed_map,
-                                unsigned_map)
+from mpfused.quant_maps import (BLOCK_SIZES, DEFAULT_BLOCK_SIZE, dequantize_blockwise, num_blocks,
+                                quantize_blockwise, signed_map, unsigned_map)
 
-BLOCK_SIZES = (64, 128, 256, 512, 1024, 2048, 4096)  # bitsandbytes' CUDA set
 FORMAT_VERSION = 2  # 2: 8-bit entries saved under bitsandbytes' keys (state1, absmax1, ...)
-_BNB_BLOCK = 256  # bitsandbytes >= 0.44
+_BNB_BLOCK = DEFAULT_BLOCK_SIZE[8]  # bitsandbytes >= 0.44: its blocks, our 8-bit default
 _GROUP_KEYS_8BIT = ("block_size", "min_8bit_size", "optim_bits")
 
 

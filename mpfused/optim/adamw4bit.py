@@ -9,8 +9,9 @@ Against ``torchao.optim.AdamW4bit(params, lr, betas, eps, weight_decay, amsgrad,
 bf16_stochastic_round)``:
 
 * ``lr``, ``betas``, ``eps``, ``weight_decay`` (default 1e-2; ``Adam4bit``: 0, L2) and
-  ``block_size`` (default 128) mean the same; the update is the same fp32 math (decoupled decay
-  before the update, torch's bias correction, the param updated with the unquantized moments).
+  ``block_size`` (``None``: the format's, 128 as torchao's) mean the same; the update is the
+  same fp32 math (decoupled decay before the update, torch's bias correction, the param updated
+  with the unquantized moments).
 * ``amsgrad=True`` raises (torchao keeps a third 4-bit state; use ``mpfused.AdamW``).
 * ``bf16_stochastic_round=True`` is ``master_weights="none"`` (bf16 params updated with
   stochastic rounding, no master). torchao's default (``False``: bf16 params rounded to nearest,
@@ -48,7 +49,8 @@ class AdamW4bit(State8bit, AdamW):
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
-                 block_size: int = 128, min_8bit_size: int = 4096, master_weights: str = "fp32",
+                 block_size: int | None = None, min_8bit_size: int = 4096,
+                 master_weights: str = "fp32",
                  bf16_stochastic_round: bool | None = None,
                  max_grad_norm: float | None = None, maximize: bool = False,
                  capturable: bool = False, backend: str | None = None, seed: int = 0,

@@ -39,7 +39,8 @@ class AdamW8bit(State8bit, AdamW):
 
     def __init__(self, params, lr: float | torch.Tensor = 1e-3, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *,
-                 block_size: int = 256, min_8bit_size: int = 4096, master_weights: str = "fp32",
+                 block_size: int | None = None, min_8bit_size: int = 4096,
+                 master_weights: str = "fp32",
                  max_grad_norm: float | None = None, maximize: bool = False,
                  capturable: bool = False, backend: str | None = None, seed: int = 0,
                  foreach=None, fused=None, differentiable: bool = False,

@@ -95,14 +95,15 @@ from mpfused.optim._checkpoint_8bit import (_GROUP_KEYS_8BIT, FORMAT_VERSION, _a
                                             to_bitsandbytes_state_dict, to_torch_state_dict)
 from mpfused.optim._overrides import _kept_32bit_ids, _overrides_epoch
 from mpfused.optim.engine import _local
+from mpfused.quant_maps import DEFAULT_BLOCK_SIZE
 
 __all__ = ["State8bit"]
 
 _LEGACY = {"optim_bits": 32, "args": None, "percentile_clipping": 100, "block_wise": True,
            "is_paged": False, "max_unorm": 0.0, "skip_zeros": False}
-_DEFAULTS_8BIT = dict(block_size=256, min_8bit_size=4096, optim_bits=8)
-# A constructor's block_size=None: the format's blocks (bitsandbytes' 256, torchao's 4-bit 128).
-_DEFAULT_BLOCK_SIZE = {8: 256, 4: 128}
+# A constructor's block_size=None (the default of every 8-bit and 4-bit class): the format's
+# blocks, quant_maps.DEFAULT_BLOCK_SIZE (bitsandbytes' 256, torchao's 4-bit 128).
+_DEFAULTS_8BIT = dict(block_size=DEFAULT_BLOCK_SIZE[8], min_8bit_size=4096, optim_bits=8)
 
 
 class State8bit:
@@ -119,11 +120,11 @@ class State8bit:
 
     def _setup_8bit(self, block_size: int | None, min_8bit_size: int, legacy: dict) -> None:
         """Called before the 32-bit optimizer's __init__: the 8-bit group defaults that
-        add_param_group reads (``block_size=None``: the format's, ``_DEFAULT_BLOCK_SIZE``), and
+        add_param_group reads (``block_size=None``: the format's, ``DEFAULT_BLOCK_SIZE``), and
         bitsandbytes' legacy arguments (accepted and ignored by the 8-bit format only)."""
         name = type(self).__name__
         if block_size is None:
-            block_size = _DEFAULT_BLOCK_SIZE[self._STATE_BITS]
+            block_size = DEFAULT_BLOCK_SIZE[self._STATE_BITS]
         unknown = set(legacy) - set(_LEGACY if self._STATE_BITS == 8 else ())
         if unknown:
             raise TypeError(f"{name}() got unexpected keyword arguments {sorted(unknown)}")

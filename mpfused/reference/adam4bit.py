@@ -3,43 +3,9 @@ codec (mpfused/quant4.py): dequantize (float32 products), update in float64, rou
 moments to float32, take their block absmax and requantize them (nearest code, no sign rule)."""
 from __future__ import annotations
 
-import torch
-
-from mpfused.quant4 import codes4_numel, dequantize4_blockwise, quantize4_blockwise
-from mpfused.reference.adam import param_updates, write_master
+from mpfused.reference.adam8bit import adam8bit_step_
 
 
-def _check(params, exp_avgs, exp_avg_sqs, qmap1, qmap2):
-    for name, m in (("qmap1", qmap1), ("qmap2", qmap2)):
-        if m.numel() != 16 or m.dtype != torch.float32:
-            raise RuntimeError(f"mpfused: {name} must be a float32 tensor of 16 entries")
-    for name, lst in (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)):
-        for i, (p, c) in enumerate(zip(params, lst)):
-            if c.dtype != torch.uint8 or c.numel() != codes4_numel(p.numel()):
-                raise RuntimeError(f"mpfused: {name}[{i}] must be uint8 with ceil(numel / 2) = "
-                                   f"{codes4_numel(p.numel())} bytes (two 4-bit codes each)")
-
-
-def adam4bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters, steps,
-                   qmap1, qmap2, *, block_size, lr, lr_tensor, beta1, beta2, eps, weight_decay,
-                   maximize, decoupled, master_mode, grad_scale=None, found_inf=None,
-                   norm_sq=None, max_grad_norm=0.0, seed=0, param_ids=(), elem_offsets=()):
-    _check(params, exp_avgs, exp_avg_sqs, qmap1, qmap2)
-    for i, p, t, stream, mode, master, w, g, lr in param_updates(
-            params, grads, masters, steps, lr, lr_tensor, weight_decay, maximize, decoupled,
-            master_mode, grad_scale, found_inf, norm_sq, max_grad_norm, param_ids, elem_offsets):
-        shape = p.shape
-        m = dequantize4_blockwise(exp_avgs[i], absmax1s[i], qmap1, block_size, shape).double()
-        v = dequantize4_blockwise(exp_avg_sqs[i], absmax2s[i], qmap2, block_size, shape).double()
-        m = m + (1 - beta1) * (g - m)
-        v = beta2 * v + (1 - beta2) * g * g
-        bc1 = 1 - torch.tensor(beta1, dtype=torch.float64) ** t
-        bc2 = 1 - torch.tensor(beta2, dtype=torch.float64) ** t
-        denom = v.sqrt() / bc2.sqrt() + eps
-        w = w - (lr / bc1) * m / denom
-        for codes, absmax, s, qmap in ((exp_avgs[i], absmax1s[i], m, qmap1),
-                                       (exp_avg_sqs[i], absmax2s[i], v, qmap2)):
-            c, a = quantize4_blockwise(s.float(), qmap, block_size)
-            codes.copy_(c.reshape(codes.shape))
-            absmax.copy_(a)
-        write_master(p, master, mode, w.float(), seed, t, stream)
+def adam4bit_step_(*args, **kwargs):
+    """mpfused::adam4bit_step_: adam8bit_step_'s loop with the 4-bit codec (_bits=4)."""
+    return adam8bit_step_(*args, **kwargs, _bits=4)

@@ -3,52 +3,13 @@ AdamW4bit's first moment, mpfused/quant4.py): sgd8bit's reference with the 4-bit
 dequantize (float32 products), torch.optim.SGD's momentum update in float64, round the new buffer
 to float32, take its block absmax and requantize it (nearest code of the signed 16-entry map, no
 sign rule). The kernels update in float32, so a code may differ where the buffer lies within
-rounding of a threshold. ``dequantized4`` / ``store_quantized4`` / ``check_one_state4`` are
-shared with lion4bit's reference."""
+rounding of a threshold."""
 from __future__ import annotations
 
-import torch
-
-from mpfused.quant4 import codes4_numel, dequantize4_blockwise, quantize4_blockwise
-from mpfused.reference.adam import param_updates, write_master
-from mpfused.reference.sgd import momentum_update
+from mpfused.reference.sgd8bit import sgd8bit_step_
 
 
-def check_one_state4(op, state_name, params, codes, qmap):
-    """The 4-bit size rules a kernel indexes by: a 16-entry map, ceil(numel / 2) code bytes."""
-    if qmap.numel() != 16 or qmap.dtype != torch.float32:
-        raise RuntimeError(f"mpfused: {op}: qmap must be a float32 tensor of 16 entries")
-    for i, (p, c) in enumerate(zip(params, codes)):
-        if c.dtype != torch.uint8 or c.numel() != codes4_numel(p.numel()):
-            raise RuntimeError(f"mpfused: {op}: {state_name}[{i}] must be uint8 with ceil(numel "
-                               f"/ 2) = {codes4_numel(p.numel())} bytes (two 4-bit codes each)")
-
-
-def dequantized4(codes, absmax, qmap, block_size, shape):
-    """The state a kernel reads, as float64: qmap[code] * absmax (one float32 product)."""
-    return dequantize4_blockwise(codes, absmax, qmap, block_size, shape).double()
-
-
-def store_quantized4(codes, absmax, state, qmap, block_size):
-    """Round the updated state to float32, as the kernels hold it, then write its block absmax
-    and its packed codes (nearest code, no sign rule)."""
-    c, a = quantize4_blockwise(state.float(), qmap, block_size)
-    codes.copy_(c.reshape(codes.shape))
-    absmax.copy_(a)
-
-
-def sgd4bit_step_(params, grads, momentum_buffers, absmaxs, masters, steps, qmap, *, block_size, lr,
-                  lr_tensor, momentum, dampening, weight_decay, nesterov, maximize, master_mode,
-                  grad_scale=None, found_inf=None, norm_sq=None, max_grad_norm=0.0, seed=0,
-                  param_ids=(), elem_offsets=()):
-    if not momentum > 0:  # the 4-bit state is the buffer: plain SGD has none
-        raise RuntimeError(f"mpfused: sgd4bit_step_: momentum must be > 0, got {momentum}")
-    check_one_state4("sgd4bit_step_", "momentum_buffers", params, momentum_buffers, qmap)
-    # param_updates: unscale, clip, maximize, and L2 decay into g (decoupled=False), as torch
-    for i, p, t, stream, mode, master, w, g, lr in param_updates(
-            params, grads, masters, steps, lr, lr_tensor, weight_decay, maximize, False,
-            master_mode, grad_scale, found_inf, norm_sq, max_grad_norm, param_ids, elem_offsets):
-        buf = dequantized4(momentum_buffers[i], absmaxs[i], qmap, block_size, p.shape)
-        d, buf = momentum_update(g, buf, t, momentum, dampening, nesterov)
-        store_quantized4(momentum_buffers[i], absmaxs[i], buf, qmap, block_size)
-        write_master(p, master, mode, (w - lr * d).float(), seed, t, stream)
+def sgd4bit_step_(params, grads, momentum_buffers, absmaxs, masters, steps, qmap, **kwargs):
+    """mpfused::sgd4bit_step_: sgd8bit_step_'s loop with the 4-bit codec (_bits=4)."""
+    return sgd8bit_step_(params, grads, momentum_buffers, absmaxs, masters, steps, qmap, **kwargs,
+                         _bits=4)
