@@ -78,7 +78,7 @@ def _8bit_state_bytes(numel: int, block_size: int, states: int = 2, state_bits: 
 
 
 def estimate_memory(model_or_param_count, recipe: str = "master", *, keep_fp32=None,
-                    block_size: int = DEFAULT_BLOCK_SIZE[8], min_8bit_size: int = 4096,
+                    block_size: int | None = None, min_8bit_size: int = 4096,
                     release: bool = False, optimizer: str = "adamw",
                     state_bits: int = 8) -> MemoryEstimate:
     """Bytes of weights, grads, master weights and optimizer state for a recipe (``RECIPES``):
@@ -109,8 +109,11 @@ def estimate_memory(model_or_param_count, recipe: str = "master", *, keep_fp32=N
     or ``"lion"`` (one state tensor: half the state column, e.g. ``8bit-remainder`` with Lion is
     2 + 2 + 2 + 1.02 ~ 7 B/param).
 
-    ``state_bits=4`` with an ``8bit*`` recipe: 4-bit moments (``mpfused.AdamW4bit``; pass
-    ``block_size=128``, its default): 2 x (0.5 + 4 / 128) = 1.06 B/param of state, so ``8bit``
+    ``block_size=None``: the optimizers' default for the code width (256 for 8-bit, 128 for
+    4-bit: ``quant_maps.DEFAULT_BLOCK_SIZE``).
+
+    ``state_bits=4`` with an ``8bit*`` recipe: 4-bit moments (``mpfused.AdamW4bit``, 128-element
+    blocks): 2 x (0.5 + 4 / 128) = 1.06 B/param of state, so ``8bit``
     becomes ~9.1, ``8bit-remainder`` ~7.1 and ``8bit-remainder-release`` ~5.1 B/param; with
     ``optimizer="sgd"`` / ``"lion"`` (``mpfused.SGD4bit`` / ``Lion4bit``) half that state.
 
@@ -129,6 +132,8 @@ def estimate_memory(model_or_param_count, recipe: str = "master", *, keep_fp32=N
     states = STATES[optimizer]
     if state_bits not in (4, 8):
         raise ValueError(f"state_bits must be 8 or 4, got {state_bits!r}")
+    if block_size is None:
+        block_size = DEFAULT_BLOCK_SIZE[state_bits]
     description, half, master_b, eight = RECIPES[recipe]
     if eight and state_bits == 4:
         description = description.replace("8-bit", "4-bit")

@@ -277,6 +277,8 @@ def test_arguments_and_bytes_per_param():
     assert state_bytes / big.numel() == pytest.approx(2 * (0.5 + 4 / 128))
     est = mpfused.amp.estimate_memory(big.numel(), "8bit", state_bits=4, block_size=128)
     assert est.optimizer_state == round(state_bytes)
+    # the estimate's default block size is the 4-bit optimizers' (128), not the 8-bit 256
+    assert mpfused.amp.estimate_memory(big.numel(), "8bit", state_bits=4) == est
 
 
 def test_scaler_unscale_and_clipping_match_manual():
