@@ -16,8 +16,9 @@ block; the kernel updates in fp32, the reference in float64 rounded once):
   terms (max |old| + max |g mult| + wd max |w|).
 * codes: equal except one code apart where the state lies within those roundings of a decision
   point. 8-bit: the reference's x = s * (1 / absmax) lies within 16 EPS Tb / absmax of the
-  threshold between the two codes (or of 0 for the sign rule's 126 / 127), at most 2 such codes
-  per tensor and max(2, 0.5%) per call (measured: 9 in 105 calls of 71,258 elements); 4-bit: at
+  threshold between the two codes (or of 0 for the sign rule's 126 / 127), at most
+  max(2, n / 10,000) such codes per tensor and max(2, 0.5%) per call (measured: 9 in 105 calls of
+  71,258 elements; 3 in a 70,001-element tensor in 3% of the draws of one case); 4-bit: at
   most max(1, 1%) of a tensor's codes, and an odd-sized tensor's padding nibble stays 0.
 * params: OP_TOL of their dtype (1 ulp of a 16-bit param), and within 2e-6 rel + 1e-8 (fp32) /
   one epsilon of max(|p|, 1e-3) (16-bit); for Lion, except where the reference's interpolation
@@ -194,7 +195,7 @@ def _codes_close_8bit(i, got, want, x, tb, scale):
     if not bad.any():
         return 0
     assert ((got - want).abs()[bad] == 1).all(), (i, "a code is off by more than one")
-    assert int(bad.sum()) <= 2, (i, int(bad.sum()))
+    assert int(bad.sum()) <= max(2, got.numel() / 10_000), (i, int(bad.sum()))
     lo = torch.minimum(got, want)
     dist = (x - qm.thresholds(qm.signed_map()).double()[lo]).abs()
     dist = torch.where(lo == qm.SIGNED_ZERO_CODE - 1, torch.minimum(dist, x.abs()), dist)
