@@ -244,6 +244,7 @@ for s in ${PLAN[$phase]}; do
         --ignore=tests/test_cuda_onestate8bit.py --ignore=tests/test_cuda_emulation_onestate8bit.py \
         --ignore=tests/test_cuda_one_state4bit.py \
         --ignore=tests/test_triton_compile.py --ignore=tests/test_cuda_compile.py --ignore=tests/test_cuda_compile_onestate8bit.py \
+        --ignore=tests/test_cuda_mta_packing.py --ignore=tests/test_cuda_bindings_syntax.py \
         --ignore=tests/test_gpu_plan.py} ;;
     memcheck|racecheck|synccheck|memcheck_triton|initcheck)
       tool=${s%_triton}; be=native; ops=${GPU_SUITE_SAN_ONLY:-$ALL_OPS}

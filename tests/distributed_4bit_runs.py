@@ -2,7 +2,8 @@
 (one launch for both: ``results()`` runs it once per pytest process). The worker main (``python
 -m tests.distributed_4bit_runs all RANK WORLD DIR``) trains every FSDP2 scenario and takes every
 DCP checkpoint in one gloo process group, saving each rank's results with ``torch.save``. Data,
-wrapping, snapshots and the single-process method are tests/distributed_runs.py's.
+wrapping and snapshots are tests/distributed_model.py's, the launcher and worker group
+tests/distributed_harness.py's, the single-process method tests/distributed_runs.py's.
 
 Net4: every layout FSDP2 gives a 4-bit state on 2 ranks (block 128; rows split as torch.chunk):
   a.weight (33, 17)  rows 17 | 16 -> 289 | 272 elements: odd offset, a byte split across ranks
@@ -21,9 +22,9 @@ import tempfile
 
 import torch
 
-from tests.distributed_runs import (CKPT_AT, STEPS, WORLD, _launch, _wrap, batch, join_group,
-                                   kinds_of, loss_fn, make_model, make_scaler, params_of,
-                                   run_jobs, state_snapshot)
+from tests.distributed_harness import WORLD, _launch, join_group, run_jobs
+from tests.distributed_model import (CKPT_AT, STEPS, _wrap, batch, kinds_of, loss_fn, make_model,
+                                     make_scaler, params_of, state_snapshot)
 
 BATCH = 4
 LOSSY_4BIT = {"a.weight", "a.bias", "d.weight", "d.bias"}  # re-blocked: not bit-exact

@@ -1,7 +1,8 @@
 """The 2-process runs behind tests/test_release_fsdp.py: gradient release under FSDP2
 (``mpfused.step_in_backward(opt, fsdp=model)``) against the ordinary FSDP2 step, one gloo launch
 (``python -m tests.distributed_release_fsdp_runs all RANK WORLD DIR``; ``results()`` runs it once
-per pytest process). Model, data, wrapping and the launcher are tests/distributed_runs.py's.
+per pytest process). Model, data and wrapping are tests/distributed_model.py's, the launcher
+tests/distributed_harness.py's.
 
 The model's three Linear layers are fully_shard'ed one by one (the root holds no param): three
 FSDP param groups, i.e. three release buckets (fc3, fc2, fc1 in backward order). The optimizer
@@ -25,8 +26,8 @@ import tempfile
 
 import torch
 
-from tests.distributed_runs import (_launch, _wrap, batch, join_group, loss_fn, make_model,
-                                    make_scaler, run_jobs)
+from tests.distributed_harness import _launch, join_group, run_jobs
+from tests.distributed_model import _wrap, batch, loss_fn, make_model, make_scaler
 
 STEPS = 10
 NAN_STEP = 4

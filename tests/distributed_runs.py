@@ -1,10 +1,9 @@
 """mpfused inside PyTorch's distributed engines, on CPU with gloo and 2 processes.
 
-Each launch starts 2 worker processes (this module run as ``python -m tests.distributed_runs``,
-rendezvous through a FileStore, so no port race) that run several scenarios and write their
-results with ``torch.save``; the tests compare them with single-process runs done here. Every
-launch is bounded (``TIMEOUT_S``); a machine where gloo or spawning processes does not work
-skips the tests.
+Each launch starts 2 worker processes (this module run as ``python -m tests.distributed_runs``
+by tests/distributed_harness.py's ``_launch``) that run several scenarios and save their
+results; the tests compare them with single-process runs done here (model, data, optimizers and
+snapshots: tests/distributed_model.py).
 
 Single-process reference ("emulated data parallel"): rank r's half of each global batch is run
 separately (same shapes, 1 thread, so the forward/backward are bit-identical to the rank's) and
@@ -17,29 +16,21 @@ the single-process pass: the clip coefficient may differ in the last bits, hence
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import time
-import traceback
-from pathlib import Path
 
-import pytest
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-WORLD = 2
-TIMEOUT_S = 120          # per launch of 2 processes
-BATCH = 4                # per rank
-STEPS = 7
-INF_STEP = 2             # rank 1's half-batch of this step holds an inf (every run skips it)
-CKPT_AT = 3              # checkpoint after this many steps
+from tests.distributed_harness import WORLD, join_group, run_jobs
+from tests.distributed_model import (CKPT_AT, INF_STEP, STEPS, _has_8bit, _wrap, batch, full,
+                                     kinds_of, loss_fn, make_model, make_optim, make_scaler,
+                                     params_of, state_snapshot)
+
 # Clipping on: the global norm adds per-shard sums of squares in another order than one pass
 # over the whole grads, so the clip coefficient may differ by an ulp (~6e-8 relative); Adam's
 # m / sqrt(v) mostly cancels it, 8-bit requantization can round a moment to a neighbouring code.
 # Measured: the fp32/bf16 runs came out bit-identical anyway, fsdp_8bit_clip 3e-8 abs / 2e-6 rel.
 # A local (unreduced) norm is off by ~sqrt(2) and fails these by orders of magnitude.
 CLIP_TOL = dict(rtol=1e-5, atol=1e-6)
-UNAVAILABLE = "MPFUSED-DIST-UNAVAILABLE"
 
 # name: (engine, mesh shape, param dtype, optimizer, scaler?, max_grad_norm)
 CONFIGS = {
@@ -78,89 +69,6 @@ LAUNCHES = {"ddp": [n for n, c in CONFIGS.items() if c[0] == "ddp"],
             "fsdp": [n for n, c in CONFIGS.items() if c[0] == "fsdp"]}
 
 
-def _has_8bit() -> bool:
-    import mpfused
-
-    return hasattr(mpfused, "AdamW8bit")
-
-
-# ---- model, data, optimizer (shared by the workers and the single-process reference) ----------
-class Net(torch.nn.Module):
-    # fc2.weight: 4608 elements (>= min_8bit_size 4096: 8-bit state) but 2304 per rank under
-    # FSDP2, so the size rule must be judged on the global shape; 2304 = 9 blocks of 256, so the
-    # per-shard blocks coincide with the unsharded ones. fc3 (7 rows) is sharded unevenly (4 + 3).
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(16, 96)
-        self.fc2 = torch.nn.Linear(96, 48)
-        self.fc3 = torch.nn.Linear(48, 7)
-
-    def forward(self, x):
-        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
-
-
-def make_model(dtype: str, seed: int = 0) -> Net:
-    torch.manual_seed(seed)
-    return Net().to(getattr(torch, dtype))
-
-
-def batch(step: int, rank: int, dtype: str):
-    g = torch.Generator().manual_seed(1000 + step)
-    x = torch.randn(WORLD * BATCH, 16, generator=g)
-    y = torch.randn(WORLD * BATCH, 7, generator=g)
-    if step == INF_STEP:
-        x[BATCH, 0] = float("inf")  # in rank 1's half only
-    sl = slice(rank * BATCH, (rank + 1) * BATCH)
-    return x[sl].to(getattr(torch, dtype)), y[sl]
-
-
-def loss_fn(model, x, y):
-    return torch.nn.functional.mse_loss(model(x).float(), y)
-
-
-def make_optim(params, opt: str, max_grad_norm, **kw):
-    import mpfused
-
-    if opt == "AdamW8bit":
-        return mpfused.AdamW8bit(params, lr=1e-2, weight_decay=0.1, max_grad_norm=max_grad_norm,
-                                 **kw)
-    if opt == "SGD":
-        return mpfused.SGD(params, lr=1e-2, momentum=0.9, weight_decay=0.1,
-                           max_grad_norm=max_grad_norm)
-    if opt == "Lion":
-        return mpfused.Lion(params, lr=1e-3, weight_decay=0.1, max_grad_norm=max_grad_norm)
-    return mpfused.AdamW(params, lr=1e-2, weight_decay=0.1, max_grad_norm=max_grad_norm)
-
-
-def make_scaler():
-    import mpfused
-
-    return mpfused.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
-
-
-def full(t):
-    t = t.detach()
-    return (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
-
-
-def state_snapshot(model, opt):
-    """{param name: {state key: tensor}}: DTensor state as full tensors, plain ones as they are
-    (AdamW8bit keeps its 8-bit codes/absmax of a DTensor param as plain per-shard tensors)."""
-    return {n.replace("module.", ""): {k: full(v) for k, v in opt.state[p].items()}
-            for n, p in model.named_parameters()}
-
-
-def kinds_of(model, opt):
-    """{param name: {state key: (type name, dtype, shape)}}."""
-    return {n.replace("module.", ""): {k: (type(v).__name__, str(v.dtype), tuple(v.shape))
-                                       for k, v in opt.state[p].items()}
-            for n, p in model.named_parameters()}
-
-
-def params_of(model):
-    return {n.replace("module.", ""): full(p) for n, p in model.named_parameters()}
-
-
 def train_single(name, steps=range(STEPS), model=None, opt=None, scaler=None):
     """The single-process reference run of a config (emulated 2-rank data parallelism)."""
     _, _, dtype, opt_name, use_scaler, clip = CONFIGS[name]
@@ -187,21 +95,6 @@ def train_single(name, steps=range(STEPS), model=None, opt=None, scaler=None):
 
 
 # ---- workers ----------------------------------------------------------------------------------
-def _wrap(model, engine, mesh_shape):
-    if engine == "ddp":
-        from torch.nn.parallel import DistributedDataParallel
-
-        return DistributedDataParallel(model)
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    names = ("replicate", "shard") if len(mesh_shape) == 2 else ("shard",)
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-    for layer in (model.fc1, model.fc2, model.fc3):
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
-
-
 def _train_dist(name, rank, release=False):
     engine, mesh_shape, dtype, opt_name, use_scaler, clip = CONFIGS[name]
     model = _wrap(make_model(dtype), engine, mesh_shape)
@@ -326,39 +219,6 @@ def _checkpoint(rank, ckpt_dir, name, **optim_kw):
     return out
 
 
-def join_group(rank, world, out_dir):
-    """This worker's gloo process group (a FileStore in out_dir); exit 3 where gloo cannot start
-    (the launcher then skips). One intra-op thread: bit-identical forward/backward to the
-    single-process reference."""
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    try:
-        store = dist.FileStore(os.path.join(out_dir, "store"), world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    except Exception as e:  # noqa: BLE001
-        print(f"{UNAVAILABLE}: {type(e).__name__}: {e}", flush=True)
-        sys.exit(3)
-
-
-def run_jobs(jobs, rank, out_dir):
-    """Every job in turn (one failing scenario fails its own tests only), a barrier after each;
-    this rank's results saved for the launcher, then the group left."""
-    import torch.distributed as dist
-
-    results = {}
-    try:
-        for key, fn in jobs.items():
-            try:  # one failing scenario fails its own tests only
-                results[key] = fn()
-            except Exception:  # noqa: BLE001
-                results[key] = {"error": traceback.format_exc()}
-            dist.barrier()
-        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
 def _worker_main(launch, rank, world, out_dir):
     join_group(rank, world, out_dir)
     jobs = {name: (lambda name=name: _train_dist(name, rank)) for name in LAUNCHES[launch]
@@ -379,43 +239,6 @@ def _worker_main(launch, rank, world, out_dir):
             jobs["ckpt_" + UNALIGNED_8BIT] = lambda: _checkpoint(
                 rank, os.path.join(out_dir, "ckpt_" + UNALIGNED_8BIT), "fsdp_8bit", **UNALIGNED_KW)
     run_jobs(jobs, rank, out_dir)
-
-
-# ---- launching --------------------------------------------------------------------------------
-def _launch(launch: str, out_dir: str, module: str = "tests.distributed_runs"):
-    """Run `module`'s worker main in WORLD processes; every rank's saved results."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_gloo_available()):
-        pytest.skip("torch.distributed with gloo is not available")
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", module, launch, "{rank}", str(WORLD), out_dir]
-    try:
-        procs = [subprocess.Popen([c.format(rank=r) for c in cmd], cwd=REPO, env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for r in range(WORLD)]
-    except OSError as e:
-        pytest.skip(f"cannot spawn worker processes: {e}")
-    deadline = time.monotonic() + TIMEOUT_S
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        logs = [p.communicate()[0] for p in procs]
-        pytest.fail(f"{launch}: workers did not finish in {TIMEOUT_S} s (hang in a collective?)\n"
-                    + "\n".join(logs[-2:])[-6000:])
-    if any(UNAVAILABLE in log for log in logs):
-        pytest.skip("gloo process group unavailable here: "
-                    + next(log for log in logs if UNAVAILABLE in log).strip()[-300:])
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        if p.returncode != 0:
-            pytest.fail(f"{launch}: rank {r} exited with {p.returncode}:\n{log[-6000:]}")
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False)
-            for r in range(WORLD)]
 
 
 if __name__ == "__main__":

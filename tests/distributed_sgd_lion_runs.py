@@ -2,7 +2,7 @@
 reference, and the worker main (run as ``python -m tests.distributed_sgd_lion_runs all RANK
 WORLD DIR``) that trains every DDP / FSDP2 scenario and takes every DCP checkpoint in one gloo
 process group, saving each rank's results with ``torch.save``. Model, data, wrapping and
-snapshots are tests/distributed_runs.py's."""
+snapshots are tests/distributed_model.py's, the worker group tests/distributed_harness.py's."""
 from __future__ import annotations
 
 import os
@@ -11,9 +11,9 @@ import warnings
 
 import torch
 
-from tests.distributed_runs import (CKPT_AT, INF_STEP, STEPS, WORLD, _wrap, batch, join_group,
-                                   kinds_of, loss_fn, make_model, make_scaler, params_of,
-                                   run_jobs, state_snapshot)
+from tests.distributed_harness import WORLD, join_group, run_jobs
+from tests.distributed_model import (CKPT_AT, INF_STEP, STEPS, _wrap, batch, kinds_of, loss_fn,
+                                     make_model, make_scaler, params_of, state_snapshot)
 
 # name: (engine, param dtype, optimizer, max_grad_norm)   (every run uses the GradScaler)
 CONFIGS = {

@@ -22,9 +22,9 @@ import torch
 ISAS = ("base", "v3", "v4", "vbmi")
 FAMILIES = {
     "adam8bit": "tests.test_adam8bit_kernels:isa_digest",
-    "sgd_lion_8bit": "tests.test_sgd_lion_8bit_kernels:isa_digest",
+    "sgd_lion_8bit": "tests.test_sgd_lion_quant_determinism:isa_digest8",
     "adam4bit": "tests.test_adamw4bit:isa_digest",
-    "sgd_lion_4bit": "tests.test_sgd_lion_4bit_kernels:isa_digest",
+    "sgd_lion_4bit": "tests.test_sgd_lion_quant_determinism:isa_digest4",
 }
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _results: dict | None = None

@@ -25,8 +25,9 @@ import torch
 from mpfused import quant4 as q4
 from mpfused.quant_maps import encode, inv_scale
 from tests.distributed_4bit_runs import (EXACT_4BIT, LOSSY_4BIT, make, results, train_single)
-from tests.distributed_runs import (CKPT_AT, STEPS, WORLD, kinds_of, make_scaler, params_of,
-                                    state_snapshot)
+from tests.distributed_harness import WORLD
+from tests.distributed_model import (CKPT_AT, STEPS, kinds_of, make_scaler, params_of,
+                                     state_snapshot)
 
 BLOCK = 128
 KEYS = {"exp_avg": True, "exp_avg_sq": False}  # state key: signed map

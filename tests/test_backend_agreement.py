@@ -18,15 +18,16 @@ check backend
 
 SGD and Lion are compared through their optimizers (a few cases above) and op by op (sgd_step_,
 lion_step_ over the named cases of tests/test_sgd_lion_kernels.py; sgd8bit_step_, lion8bit_step_ over
-those of tests/test_sgd_lion_8bit_triton.py), skipped while the extension has no native CPU
-kernel for them."""
+the named step cases of tests/sgd_lion_quant_cases.py), skipped while the extension has no native
+CPU kernel for them."""
 import pytest
 import torch
 
 import mpfused
 from mpfused.ops import OPS
-from tests import test_sgd_lion_8bit_triton as Q8
+from tests import sgd_lion_quant_harness as Q
 from tests import test_sgd_lion_kernels as SL
+from tests.sgd_lion_quant_cases import STEP_CASES, case_state
 
 pytestmark = pytest.mark.skipif(
     not (OPS["adam_step_"].native_available("cpu") and "triton" in OPS["adam_step_"].available("cpu")),
@@ -190,17 +191,17 @@ def test_sgd_lion_triton_equals_native_bit_for_bit(case):
 
 # ---- SGD and Lion with an 8-bit state, op by op: Triton = native bit for bit ------------------
 @NO_SGD_LION_8BIT_NATIVE
-@pytest.mark.parametrize("case", Q8.CASES, ids=Q8.case_id)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c["id"]) for c in STEP_CASES])
 def test_sgd_lion_8bit_triton_equals_native_bit_for_bit(case):
-    """Every case of tests/test_sgd_lion_8bit_triton.py (dtypes x master modes x options x block
-    sizes, partial last blocks, empty tensors), STEPS + 1 steps from the same state and grads:
+    """Every named step case of tests/sgd_lion_quant_cases.py (dtypes x master modes x options x
+    block sizes, partial last blocks, empty tensors), STEPS + 1 steps from the same state and grads:
     codes, absmax, params, masters, remainders and step counters bit for bit. The INF_STEP-th
     step is skipped by found_inf; the last has a NaN grad in the middle of a block (its block's
     absmax becomes NaN: the max over bit patterns, and the codes of a NaN block)."""
-    op, c = case
-    tri, kw, scale, clip = Q8.case_state(op, c, "cpu")
+    op, tri, kw, run = case_state(case, 8, "cpu")
+    scale, clip = run["scale"], run["clip"]
     nat = SL.clone_state(tri)
-    big = 3  # the tensor of several blocks (Q8.shapes_for)
+    big = 3  # the tensor of several blocks (sgd_lion_quant_cases.shapes_for)
     for k in range(STEPS + 1):
         SL.new_grads(tri, scale or 1.0)
         extra = SL.scaler_args(tri, scale, clip)  # clipping from the finite grads
@@ -209,9 +210,9 @@ def test_sgd_lion_8bit_triton_equals_native_bit_for_bit(case):
         if k == STEPS:
             tri["grads"][big].view(-1)[tri["grads"][big].numel() // 2] = float("nan")
         nat["grads"] = [g.clone() for g in tri["grads"]]
-        Q8.step(op, tri, "triton", **kw, **extra)
-        Q8.step(op, nat, "native", **kw, **extra)
-        for key in Q8.KEYS:
+        Q.step(op, tri, "triton", **kw, **extra)
+        Q.step(op, nat, "native", **kw, **extra)
+        for key in Q.KEYS:
             for i, (a, b) in enumerate(zip(tri[key], nat[key])):
                 assert SL.bits_equal(a, b), f"{op} step {k}: {key}[{i}] differs"
     assert torch.isnan(tri["absmaxs"][big]).any()

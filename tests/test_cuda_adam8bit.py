@@ -8,8 +8,8 @@ codes equal except where a moment lies within fp32 rounding of a decision thresh
 code apart), absmax equal to fp32 rounding, params within the per-dtype tolerance. The native
 CPU kernel runs the same fp32 operations in the same order (no FMA contraction on either side,
 IEEE division and square root), so CPU and CUDA agree exactly. Skipped without a GPU, or when the
-extension was built without its CUDA kernels (tests/test_cuda_compile.py runs the kernel's block
-algorithm on the host instead)."""
+extension was built without its CUDA kernels (tests/test_cuda_emulation.py runs the unchanged
+kernel on the host instead, byte for byte against the CPU kernel)."""
 import contextlib
 import math
 

@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_cuda_compile import (CU_FILES, NVCC, ROOT, SETUP_NVCC_FLAGS,  # noqa: F401
-                                     _inexact_f32, _ptx_entries, _ptxas_report, pytestmark)
 from tests import background_builds
 from tests.conftest import deadline_s, skip_or_fail
+from tests.cuda_compile_common import (CU_FILES, NEEDS_NVCC, NVCC, ROOT, SETUP_NVCC_FLAGS,
+                                       _inexact_f32, _ptx_entries, _ptxas_report, _smem)
 
 UNITS = ["sgd8bit_cuda", "lion8bit_cuda"]
 ARCHS = ["sm_80", "sm_90"]
@@ -38,6 +38,8 @@ MAIN_REGISTERS = 64  # OneState8bitFunctor::kMinBlocksPerSm = 2 with 512 threads
 PREPARE_REGISTERS = 40
 SMEM_BYTES = 18864   # OneStateShared: 16 KB parked states, map, thresholds, reduction, scalars
 DEADLINE_S = deadline_s(240.0)
+
+pytestmark = NEEDS_NVCC
 
 
 def _main_key(name: str) -> str | None:
@@ -50,19 +52,6 @@ def _main_key(name: str) -> str | None:
     policy = "lion" if m.group(1).startswith("Lion") else (
         "sgd_nesterov" if m.group(2) == "1" else "sgd")
     return f"{policy}/{MODES[int(m.group(3))]}/{m.group(4)}"
-
-
-def _smem(out: str) -> dict[str, int]:
-    """Static shared memory bytes per entry (ptxas -v)."""
-    res, name = {}, None
-    for line in out.splitlines():
-        m = re.search(r"Compiling entry function '([^']+)'", line)
-        if m:
-            name = m.group(1)
-        m = re.search(r"Used \d+ registers.*?(\d+) bytes smem", line)
-        if m and name:
-            res[name] = int(m.group(1))
-    return res
 
 
 def _build(job) -> dict:

@@ -2,9 +2,9 @@
 csrc/bindings/sgd8bit_ops_cuda.cpp, lion8bit_ops_cuda.cpp) against the native CPU kernels, bit for
 bit: the same per-element functions in the same order on both (no FMA contraction, IEEE
 division), so params, masters, codes, absmax and step counters must be identical after each of
-three steps, over tests/test_sgd_lion_8bit_triton.py's cases (every dtype, master mode, block
-size, SGD / Lion option, loss scale, clipping, device lr, stochastic-rounding streams) and the
-remainder8 master mode (REMAINDER8_CASES: int8 corrections, which those cases lack), with
+three steps, over the named step cases of tests/sgd_lion_quant_cases.py (every dtype, master mode
+with the remainder8 one, block size, SGD / Lion option, loss scale, clipping, device lr,
+stochastic-rounding streams), with
 contiguous operands and with operands one element past an aligned start (the kernel's
 element-wise path), and a skipped step. Every CUDA call runs under
 torch.cuda.set_sync_debug_mode("error"): the path never synchronizes with the host.
@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from mpfused import _extension
-from tests import test_sgd_lion_8bit_triton as Q8
+from tests import sgd_lion_quant_harness as Q
 from tests import test_sgd_lion_kernels as SL
+from tests.sgd_lion_quant_cases import MIXED, STEP_CASES, case_state, shapes_for
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -28,7 +29,7 @@ pytestmark = [
                        reason="mpfused extension built without its CUDA kernels"),
 ]
 OPERANDS = ("params", "grads", "codes", "masters")  # laid out one element past aligned
-KEYS = Q8.KEYS
+KEYS = Q.KEYS
 
 
 @contextlib.contextmanager
@@ -63,57 +64,32 @@ def assert_same(g, s):
             assert SL.bits_equal(a.cpu().contiguous(), b.contiguous()), (k, i)
 
 
-# Master mode 4 (remainder8: bf16 params with an int8 correction each; fp32 params ignore it and
-# must leave it as it is; fp16 params are refused): the shared cases have no int8 masters, so
-# these add them.
-REMAINDER8 = 4
-F32_BF16 = (Q8.F32, Q8.BF16, Q8.BF16, Q8.F32, Q8.BF16, Q8.F32)  # one per shape of shapes_for
-REMAINDER8_CASES = [
-    ("sgd8bit_step_", (Q8.BF16, REMAINDER8, dict(nesterov=True, weight_decay=0.1, scale=1024.0,
-                                                 clip=0.5))),
-    ("sgd8bit_step_", (F32_BF16, REMAINDER8, dict(dampening=0.1, maximize=True, lr_tensor=True,
-                                                  block_size=1024))),
-    ("lion8bit_step_", (Q8.BF16, REMAINDER8, dict(weight_decay=0.1, scale=1024.0, clip=0.5,
-                                                  block_size=128))),
-    ("lion8bit_step_", (F32_BF16, REMAINDER8, dict(maximize=True, lr_tensor=True,
-                                                   block_size=2048))),
-]
-
-
-def case_state(op, c):
-    """Q8.case_state on the CPU, with random int8 corrections for master mode 4."""
-    s, kw, scale, clip = Q8.case_state(op, c, "cpu")
-    if c[1] == REMAINDER8:
-        s["masters"] = [torch.randint(-128, 128, p.shape, dtype=torch.int8) for p in s["params"]]
-    return s, kw, scale, clip
-
-
 @pytest.mark.parametrize("offset", [False, True], ids=["aligned", "offset"])
-@pytest.mark.parametrize("case", Q8.CASES + REMAINDER8_CASES, ids=Q8.case_id)
+@pytest.mark.parametrize("case", [pytest.param(c, id=c["id"]) for c in STEP_CASES])
 def test_cuda_equals_cpu_kernel_bit_for_bit(case, offset):
-    op, c = case
     random.seed(0)
     torch.manual_seed(0)
-    s, kw, scale, clip = case_state(op, c)
+    op, s, kw, run = case_state(case, 8, "cpu")
+    scale, clip = run["scale"], run["clip"]
     for _ in range(3):
         SL.new_grads(s, scale or 1.0)
         extra = SL.scaler_args(s, scale, clip)
         g = to_cuda({k: s[k] for k in KEYS}, offset)
         with no_host_sync():
-            Q8.step(op, g, "native", **to_cuda(kw), **to_cuda(extra))
-        Q8.step(op, s, "native", **kw, **extra)
+            Q.step(op, g, "native", **to_cuda(kw), **to_cuda(extra))
+        Q.step(op, s, "native", **kw, **extra)
         assert_same(g, s)
 
 
 @pytest.mark.parametrize("op", ["sgd8bit_step_", "lion8bit_step_"])
 def test_skipped_step_changes_nothing(op):
     random.seed(1)
-    s = Q8.make_state(Q8.shapes_for(256), list(Q8.MIXED), 1, "cuda", 256)
+    s = Q.make_state(shapes_for(256), list(MIXED), 1, "cuda", 256, op=op)
     before = {k: [t.clone() for t in s[k]] for k in KEYS}
     extra = dict(grad_scale=torch.tensor(2.0, device="cuda"),
                  found_inf=torch.ones((), device="cuda"))
     with no_host_sync():
-        Q8.step(op, s, "native", master_mode=1, block_size=256, **extra)
+        Q.step(op, s, "native", master_mode=1, block_size=256, **extra)
     for k in KEYS:
         for a, b in zip(s[k], before[k]):
             assert SL.bits_equal(a, b), k

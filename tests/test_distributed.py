@@ -1,6 +1,7 @@
 """mpfused inside PyTorch's distributed engines (DDP, FSDP2, HSDP), on CPU with gloo and 2 processes:
-each launch's results against single-process runs. The launches, the model, the workers and the
-method (why the runs must be bit-identical, CLIP_TOL) are tests/distributed_runs.py's."""
+each launch's results against single-process runs. The workers and the method (why the runs must
+be bit-identical, CLIP_TOL) are tests/distributed_runs.py's, the model, data and snapshots
+tests/distributed_model.py's, the launcher tests/distributed_harness.py's."""
 from __future__ import annotations
 
 import os
@@ -9,23 +10,24 @@ import tempfile
 import pytest
 import torch
 
-from tests.distributed_runs import (ALIGNED_8BIT_PARAMS, CKPT_AT, CKPT_PARAMS, CLIP_TOL, CONFIGS,
-                                    RELEASE_CONFIGS, STEPS, UNALIGNED_8BIT, UNALIGNED_KW,
-                                    UNALIGNED_TOL, _has_8bit, _launch, make_model,
-                                    make_optim, make_scaler, params_of, state_snapshot,
+from tests.distributed_harness import _launch
+from tests.distributed_model import (CKPT_AT, STEPS, _has_8bit, make_model, make_optim,
+                                     make_scaler, params_of, state_snapshot)
+from tests.distributed_runs import (ALIGNED_8BIT_PARAMS, CKPT_PARAMS, CLIP_TOL, CONFIGS,
+                                    RELEASE_CONFIGS, UNALIGNED_8BIT, UNALIGNED_KW, UNALIGNED_TOL,
                                     train_single)
 
 
 @pytest.fixture(scope="module")
 def ddp_results():
     with tempfile.TemporaryDirectory() as d:
-        yield _launch("ddp", d)
+        yield _launch("ddp", d, module="tests.distributed_runs")
 
 
 @pytest.fixture(scope="module")
 def fsdp_results():
     with tempfile.TemporaryDirectory() as d:
-        results = _launch("fsdp", d)
+        results = _launch("fsdp", d, module="tests.distributed_runs")
         results[0]["dir"] = d
         yield results
 

@@ -2,8 +2,8 @@
 AdamW8bit and AdamW4bit (issue 24 item 5), on CPU with gloo and 2 processes (the launch of
 tests/distributed_4bit_runs.py, shared with tests/test_adamw4bit_fsdp.py).
 
-tests/distributed_runs.py's model, data (with the inf step every rank skips), GradScaler and
-single-process method: without clipping the 2-rank run equals the emulated data-parallel one bit
+tests/distributed_model.py's model, data (with the inf step every rank skips) and GradScaler,
+tests/distributed_runs.py's single-process method: without clipping the 2-rank run equals the emulated data-parallel one bit
 for bit (params, every state tensor: the int8 corrections, the 8-/4-bit codes and absmax of
 fc2.weight, whose shards are whole blocks of 256 / 128). The DCP checkpoint (after CKPT_AT steps)
 loads into a fresh model and optimizer bit for bit and the run resumes bit-identically.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.distributed_4bit_runs import results, train_single
-from tests.distributed_runs import params_of, state_snapshot
+from tests.distributed_model import params_of, state_snapshot
 
 NAMES = ["r8_adamw", "r8_adamw8bit", "r8_adamw4bit"]
 

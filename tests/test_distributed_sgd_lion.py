@@ -2,7 +2,7 @@
 with gloo and 2 processes.
 
 Same method as tests/test_distributed.py (whose model, data, wrapping and snapshot helpers, in
-tests/distributed_runs.py, this file reuses; read its docstring): one launch of 2 worker processes
+tests/distributed_model.py, this file reuses; the method: tests/distributed_runs.py's docstring): one launch of 2 worker processes
 (tests/distributed_sgd_lion_runs.py) runs every DDP, FSDP2 and checkpoint scenario in one process
 group, and the tests compare the results with single-process runs of the emulated
 2-rank data parallelism. Without clipping the runs must be bit-identical (params and every state
@@ -25,8 +25,9 @@ import torch
 from tests.distributed_sgd_lion_runs import (CKPT_CONFIGS, CONFIGS, EIGHT_BIT, RELEASE_CONFIGS,
                                              UNALIGNED, UNALIGNED_KW, _load_single, _reblocked,
                                              make_optim, train_single)
-from tests.distributed_runs import (ALIGNED_8BIT_PARAMS, CKPT_AT, CLIP_TOL, STEPS, _launch,
-                                   make_model, params_of, state_snapshot)
+from tests.distributed_harness import _launch
+from tests.distributed_model import CKPT_AT, STEPS, make_model, params_of, state_snapshot
+from tests.distributed_runs import ALIGNED_8BIT_PARAMS, CLIP_TOL
 
 # Resuming from re-blocked (requantized) momentum, 4 steps (the runs are deterministic; measured
 # on this model). SGD8bit (lr 1e-2): the params follow the exact continuation within lr * the
