@@ -32,9 +32,7 @@ import pytest
 import torch
 
 import mpfused.reference.adam8bit as adam8bit_ref
-import mpfused.reference.lion4bit as lion4_ref
 import mpfused.reference.lion8bit as lion8_ref
-import mpfused.reference.sgd4bit as sgd4_ref
 import mpfused.reference.sgd8bit as sgd8_ref
 from mpfused import quant4 as q4
 from mpfused import quant_maps as qm
@@ -164,20 +162,14 @@ def record_reference(monkeypatch):
         rec["state"].append(state.clone())
         return adam8bit_ref.store_quantized(codes, absmax, state, *args, **kw)
 
-    def store4(codes, absmax, state, *args, store=sgd4_ref.store_quantized4, **kw):
-        rec["state"].append(state.clone())
-        return store(codes, absmax, state, *args, **kw)
-
     def lion_update(w, g, m, lr, beta1, beta2, update=lion8_ref.lion_update):
         rec["c"].append(beta1 * m + (1 - beta1) * g)
         return update(w, g, m, lr, beta1, beta2)
 
+    # the 4-bit references run the 8-bit loops (_bits=4): patching these records both widths
     for mod in (sgd8_ref, lion8_ref):
         monkeypatch.setattr(mod, "store_quantized", store8)
-    for mod in (sgd4_ref, lion4_ref):
-        monkeypatch.setattr(mod, "store_quantized4", store4)
-    for mod in (lion8_ref, lion4_ref):
-        monkeypatch.setattr(mod, "lion_update", lion_update)
+    monkeypatch.setattr(lion8_ref, "lion_update", lion_update)
     return rec
 
 

@@ -165,7 +165,7 @@ def test_triton_8bit_argument_checks():
     before = clone_state(s)
     with pytest.raises(ValueError, match="block_size must be a power of two"):
         step("lion8bit_step_", s, "triton", block_size=96)
-    with pytest.raises(RuntimeError, match=r"lion8bit_step_: exp_avgs has 0 tensors, params 1"):
+    with pytest.raises(RuntimeError, match=r"lion8bit_step_: exp_avgs has 0 tensors, expected 1"):
         step("lion8bit_step_", {**s, "codes": []}, "triton")
     with pytest.raises(RuntimeError, match=r"momentum_buffers\[0\] must be contiguous uint8"):
         step("sgd8bit_step_", {**s, "codes": [s["codes"][0].float()]}, "triton")
