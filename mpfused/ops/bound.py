@@ -41,7 +41,8 @@ class BoundOp:
         self.op = op
         # the keyword-only arguments a call passes, in schema order, with their defaults
         self._keywords = tuple(kw for kw in op.keyword_args if kw[0] not in _BOUND_KEYWORDS)
-        self._names = frozenset(name for name, _ in self._keywords)
+        self._order = tuple(name for name, _ in self._keywords)
+        self._names = frozenset(self._order)
         self._required = frozenset(name for name, d in self._keywords if d is REQUIRED)
         self.lists = lists
         self.param_ids = [int(i) for i in param_ids]
@@ -79,12 +80,15 @@ class BoundOp:
                  **scalars):
         pre, self._pre = self._pre, None
         # BoundLists calls the dispatcher op: only where the router registered the native kernel
-        if ((backend is None or backend in ("auto", "native")) and not torch.compiler.is_compiling()
-                and self.op.native_available(self.device_type) and self.native() is not None
-                and (pre is None or self._released)):
-            if scalars.keys() != self._names:  # the optimizers pass every keyword: one compare
+        if ((backend is None or backend == "auto" or backend == "native")
+                and self.op.native_available(self.device_type)
+                and (self._native if self._native is not _UNBUILT else self.native()) is not None
+                and (pre is None or self._released) and not torch.compiler.is_compiling()):
+            if scalars.keys() == self._names:  # the optimizers pass every keyword: one compare
+                ordered = map(scalars.__getitem__, self._order)
+            else:
                 self._check_keywords(scalars)
-            ordered = [scalars.get(name, d) for name, d in self._keywords]
+                ordered = [scalars.get(name, d) for name, d in self._keywords]
             if pre is not None:
                 return self._released_step(*pre, grads, *operands, *ordered)
             return self._step(grads, *operands, *ordered)

@@ -8,13 +8,14 @@ from mpfused.optim._overrides import _kept_32bit_ids
 
 class _Chunk:
     """Params of one group, adjacent in backward order, whose grads add up to ~bucket_bytes."""
-    __slots__ = ("group_index", "indices", "ready", "order")
+    __slots__ = ("group_index", "indices", "ready", "order", "params")
 
     def __init__(self, group_index: int):
         self.group_index = group_index
         self.indices: list[int] = []
         self.ready: set[int] = set()
         self.order: tuple = ()  # the indices sorted: the ready set of a full chunk
+        self.params: list = []  # the group's params at those indices
 
 
 
@@ -36,8 +37,9 @@ def _state_kind(optimizer):
 class _Entry:
     """A release bucket's update, made once per (group, ready params): the planner's buckets,
     each with the getter of its grads from the release bucket's (``ready`` order), their
-    device and, with clip='previous', the params' flat positions."""
-    __slots__ = ("parts", "device", "clip_ids")
+    device and, with clip='previous', the params' flat positions. ``whole``: one planner bucket
+    whose grads are the release bucket's, in ``ready`` order (no getter needed)."""
+    __slots__ = ("parts", "device", "clip_ids", "whole")
 
-    def __init__(self, parts: list, device, clip_ids):
-        self.parts, self.device, self.clip_ids = parts, device, clip_ids
+    def __init__(self, parts: list, device, clip_ids, whole: bool = False):
+        self.parts, self.device, self.clip_ids, self.whole = parts, device, clip_ids, whole

@@ -131,6 +131,7 @@ class GradRelease(DDPRelease, FSDPRelease):
         self._in_backward = False
         self._found: dict[torch.device, torch.Tensor] = {}  # the backward's flag per device
         self._flags: dict = {}  # device -> _flags_on's tuple, for this backward
+        self._scaling: dict = {}  # device -> the launches' scaling keywords without clip, ditto
         self._hypers: dict = {}  # (group index, device) -> the group's _hyper, for this backward
         self._bucket_found: dict[torch.device, torch.Tensor] = {}  # reused by every bucket
         self._clip = PreviousNormClip(optimizer) if clip == "previous" else None
@@ -152,6 +153,7 @@ class GradRelease(DDPRelease, FSDPRelease):
     def _make_chunks(self, groups=None) -> None:
         """Release buckets of the groups ``groups`` (indices; default all) and their hooks."""
         kind = _state_kind(self.optimizer)
+        first = len(self._chunks)
         for gi in range(len(self.optimizer.param_groups)) if groups is None else groups:
             group = self.optimizer.param_groups[gi]
             open_: dict = {}  # state kind -> (its open chunk, the chunk's grad bytes)
@@ -171,10 +173,14 @@ class GradRelease(DDPRelease, FSDPRelease):
                     chunk, size = _Chunk(gi), 0
                     self._chunks.append(chunk)
                 chunk.indices.append(i)
-                chunk.order = tuple(sorted(chunk.indices))
                 open_[k] = (chunk, size + nbytes)
                 self._chunk_of[id(p)] = (chunk, i)
-                self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad_ready))
+        for chunk in self._chunks[first:]:  # once complete (a hook holds its chunk's size)
+            chunk.order = tuple(sorted(chunk.indices))
+            params = self.optimizer.param_groups[chunk.group_index]["params"]
+            chunk.params = [params[j] for j in chunk.order]
+            self._handles += [p.register_post_accumulate_grad_hook(self._grad_ready_hook(chunk, i))
+                              for i, p in zip(chunk.order, chunk.params)]
 
     def add_group(self, group_index: int) -> None:
         """``optimizer.add_param_group`` after attaching (called by it): the new group gets its
@@ -242,19 +248,23 @@ class GradRelease(DDPRelease, FSDPRelease):
         return dict(self._found)
 
     # ---- in the backward --------------------------------------------------------------------
-    def _on_grad_ready(self, p: torch.Tensor) -> None:
-        if self._accumulating:
-            return
-        if not self._in_backward:
-            self._start_backward(p.device)
-        chunk, i = self._chunk_of[id(p)]
-        chunk.ready.add(i)
-        if len(chunk.ready) == len(chunk.indices):
-            self._release(chunk)
+    def _grad_ready_hook(self, chunk: _Chunk, i: int):
+        """Param ``i``'s post-accumulate-grad hook (its chunk, set and size bound: no lookups)."""
+        ready, size = chunk.ready, len(chunk.indices)
+
+        def on_grad_ready(p: torch.Tensor) -> None:
+            if self._accumulating:
+                return
+            if not self._in_backward:
+                self._start_backward(p.device)
+            ready.add(i)
+            if len(ready) == size:
+                self._release(chunk)
+        return on_grad_ready
 
     def _start_backward(self, device, queue_end: bool = True) -> None:
         self._in_backward, self._pending = True, False
-        self._found, self._flags, self._hypers = {}, {}, {}
+        self._found, self._flags, self._hypers, self._scaling = {}, {}, {}, {}
         self.skipped = torch.zeros((), dtype=torch.int32, device=device)
         if self._clip is not None:
             self._clip.start(device)
@@ -272,18 +282,26 @@ class GradRelease(DDPRelease, FSDPRelease):
         self._in_backward = False
 
     def _release(self, chunk: _Chunk) -> None:
-        params = self.optimizer.param_groups[chunk.group_index]["params"]
-        ready = chunk.order if len(chunk.ready) == len(chunk.order) else tuple(sorted(chunk.ready))
-        chunk.ready = set()
-        grads = [params[i].grad for i in ready]
+        ready, params = chunk.order, chunk.params  # (all ready: the lists made at attach)
+        if len(chunk.ready) != len(ready):
+            ready, group_params = tuple(sorted(chunk.ready)), self.optimizer.param_groups[
+                chunk.group_index]["params"]
+            params = [group_params[i] for i in ready]
+        chunk.ready.clear()
+        grads = [p.grad for p in params]
         if any(map(operator.is_, grads, repeat(None))):  # set to None by a later hook: not stepped
-            ready = tuple(i for i, g in zip(ready, grads) if g is not None)
-            grads = [g for g in grads if g is not None]
-        if ready:
+            keep = [k for k, g in enumerate(grads) if g is not None]
+            ready = tuple(ready[k] for k in keep)
+            params, grads = [params[k] for k in keep], [grads[k] for k in keep]
+        if not ready:
+            return
+        if not torch.is_grad_enabled():  # (a plain backward's hooks: no context to enter)
+            self._update(chunk.group_index, ready, grads)
+        else:  # backward(create_graph=True): the update records nothing
             with torch.no_grad():
                 self._update(chunk.group_index, ready, grads)
-            for i in ready:
-                params[i].grad = None
+        for p in params:
+            p.grad = None
 
     def _update(self, group_index: int, ready: tuple, ready_grads: list,
                 checked: bool = False) -> None:
@@ -298,8 +316,12 @@ class GradRelease(DDPRelease, FSDPRelease):
             return
         opt = self.optimizer
         group = opt.param_groups[group_index]
-        scale, inv, found, total = self._flags_on(entry.device)
-        parts = [(b, list(pick(ready_grads)[:-1])) for b, pick in entry.parts]
+        flags = self._flags.get(entry.device)
+        scale, inv, found, total = flags if flags is not None else self._flags_on(entry.device)
+        if entry.whole:  # one planner bucket of the grads in ready order (the usual case)
+            parts = ((entry.parts[0][0], ready_grads),)
+        else:
+            parts = [(b, list(pick(ready_grads)[:-1])) for b, pick in entry.parts]
         clip_sq, first = None, None
         if self._clip is None and not checked:
             first = parts[0][0].state.get("step_")
@@ -312,8 +334,11 @@ class GradRelease(DDPRelease, FSDPRelease):
         elif not checked:  # one norm for the release bucket, from all its parts' sums of squares
             clip_sq = self._clip.check_and_estimate([gs for _, gs in parts], entry.clip_ids,
                                                     found, inv, total, self.skipped, opt._backend)
-        scaling = dict(grad_scale=scale, found_inf=found, norm_sq=clip_sq,
-                       max_grad_norm=float(opt.max_grad_norm or 0.0), seed=opt._seed)
+        scaling = self._scaling.get(entry.device) if clip_sq is None else None
+        if scaling is None:  # without clip: once per device and backward (the same every bucket)
+            scaling = dict(grad_scale=scale, found_inf=found, norm_sq=clip_sq,
+                           max_grad_norm=float(opt.max_grad_norm or 0.0), seed=opt._seed)
+            self._scaling[entry.device] = scaling if clip_sq is None else None
         try:
             hyper = self._hypers.get((group_index, entry.device))
             if hyper is None:  # once per group and backward (options change between steps)
@@ -356,7 +381,8 @@ class GradRelease(DDPRelease, FSDPRelease):
             base = self._group_base[group_index]
             clip_ids = torch.tensor([base + i for b in plan.buckets for i in b.indices],
                                     device=self.skipped.device)
-        return _Entry(parts, device, clip_ids)
+        whole = len(plan.buckets) == 1 and tuple(plan.buckets[0].indices) == tuple(ready)
+        return _Entry(parts, device, clip_ids, whole)
 
     def _flags_on(self, device) -> tuple:
         """(grad_scale, inverse scale, the bucket's found flag, the backward's found flag) on a
