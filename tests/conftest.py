@@ -1,9 +1,18 @@
 """Test setup. TRITON_INTERPRET must be set before anything imports triton kernels (the interpreter
-is chosen when @triton.jit decorates), so Triton kernels run on CPU tensors here."""
+is chosen when @triton.jit decorates), so Triton kernels run on CPU tensors here.
+
+OMP_WAIT_POLICY=PASSIVE must be set before torch loads its OpenMP runtime (which reads it once):
+an OpenMP thread with no work then sleeps instead of spinning. Same threads, same split of the
+work, same results; what changes is the CPU burnt while the suite's small-tensor steps wait at
+each parallel region for the other thread, and that the background builds cannot use. Measured
+on the loaded 2-core VM, 10 steps of two bench recipes with 2 threads: 6.5 s CPU / 13.3 s wall
+spinning, 0.4 s / 0.6 s passive (1 thread: 0.4 s / 0.7 s). Child processes (the ISA builds, the
+2-process workers, the GPU plan's dry run) inherit it."""
 import os
 
 if not os.environ.get("MPFUSED_TEST_TRITON_COMPILED"):
     os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
