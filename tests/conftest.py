@@ -7,7 +7,8 @@ work, same results; what changes is the CPU burnt while the suite's small-tensor
 each parallel region for the other thread, and that the background builds cannot use. Measured
 on the loaded 2-core VM, 10 steps of two bench recipes with 2 threads: 6.5 s CPU / 13.3 s wall
 spinning, 0.4 s / 0.6 s passive (1 thread: 0.4 s / 0.7 s). Child processes (the ISA builds, the
-2-process workers, the GPU plan's dry run) inherit it."""
+2-process workers, the GPU plan's dry run) inherit it; the CUDA emulation's sanitizer programs do
+not (test_cuda_emulation.program_env says why)."""
 import os
 
 if not os.environ.get("MPFUSED_TEST_TRITON_COMPILED"):
