@@ -80,7 +80,7 @@ def _fresh_seed(request):
 
 def pytest_collection_modifyitems(session, config, items):
     # The modules whose results come from background builds (BACKGROUND_BUILD) run after all the
-    # others, in their own order: their builds (~520 s of CPU, most of it the CUDA emulation's
+    # others, in their own order: their builds (~700 s of CPU, most of it the CUDA emulation's
     # sanitizer builds) then have the whole run to use the CPU the other tests leave idle, instead
     # of a third of it, and the suite no longer stops at those modules to wait for them.
     def waits_for_a_build(item):
