@@ -5,7 +5,8 @@ other tests run, each module's results picked up by its fixture.
 Why: those jobs are ~2/3 of the suite's CPU time, and most of the other tests keep one of two cores
 busy. Started at collection, at the lowest CPU priority (nice 19, so they take only CPU time the
 tests leave idle), they are mostly done when their module is reached; run only when their module is
-reached (as before), both cores worked on them while every other test waited.
+reached (as before), both cores worked on them while every other test waited. Their modules run
+after all the others (conftest.pytest_collection_modifyitems), so the builds have the whole run.
 
 How (tests/conftest.py wires it):
 * A module opts in with a module-level `BACKGROUND_BUILD = fn` (fn(job) -> results, where `job`

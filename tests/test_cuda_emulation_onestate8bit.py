@@ -23,7 +23,7 @@ from tests import background_builds
 from tests.conftest import deadline_s, skip_or_fail
 from tests.test_cuda_emulation import (BACKGROUND_BUILD as _BUILD, CHECKERS, CXX, EMU,  # noqa: F401
                                        EMU_INC, FLAGS, ROOT, build_object, checkers, maps_file,
-                                       pytestmark)
+                                       program_env, pytestmark)
 
 DEADLINE_S = deadline_s(300.0)
 CUDA_UNITS = ["sgd8bit_cuda", "lion8bit_cuda"]
@@ -54,8 +54,7 @@ def _build_and_run(job, bits: int = 8) -> dict:
     for unit in CPU_UNITS:
         objects[f"{unit}.plain"] = tmp / f"{unit}.plain.o", [
             CXX, *FLAGS, "-c", str(ROOT / "csrc" / "cpu" / f"{unit}.cpp")]
-    env = dict(os.environ, ASAN_OPTIONS="detect_leaks=0", UBSAN_OPTIONS="print_stacktrace=1",
-               TSAN_OPTIONS="exitcode=66", OMP_NUM_THREADS="2")
+    env = program_env()
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=len(objects) + len(found)) as ex:
         built = {k: ex.submit(build_object, job, cmd, out) for k, (out, cmd) in objects.items()}

@@ -11,25 +11,27 @@ tests.test_remainder8_parity), seeds 0, 1, 2, 3:
   8-bit + remainder8 + release: -0.29% +0.34% -0.22% -0.02%
 the remainder8 gap is at the fp32-vs-remainder floor (<= 0.26%, test_training_parity), the
 8-bit one within the 8-bit state's own spread (max 0.45% over 12 seeds, same docstring); this
-test runs seed 3. The test runs the first recipe only (two runs, as the 8-bit parity test).
+test runs seed 3. The test runs the first recipe only (its run and the "mpfused" one, which
+tests/parity_runs.py trains once for all the parity tests).
 """
 import dataclasses
 
 import pytest
 
 from mpfused.bench.presets import SIZE_PRESETS
-from mpfused.bench.runner import BenchOptions, run_benchmark
+from mpfused.bench.runner import BenchOptions
+from tests.parity_runs import recipe_runs
 from tests.test_training_parity import (PARITY_8BIT_SIZE, PARITY_8BIT_STEPS,
                                         PARITY_8BIT_TOLERANCE_PCT)
 
-TESTED = ["mpfused-remainder8"]  # two runs, as the 8-bit parity test (~35 s CPU each)
+TESTED = ["mpfused-remainder8"]  # its run + the shared "mpfused" one (tests/parity_runs.py)
 MEASURED = TESTED + ["mpfused-8bit-remainder8-release"]  # figures only: a third run
 
 
 def final_loss_gaps(seed: int, recipes=TESTED, steps: int = PARITY_8BIT_STEPS) -> dict:
     opts = BenchOptions(device="cpu", size=PARITY_8BIT_SIZE, dtype="bf16", steps=steps,
                         recipes=["mpfused"] + list(recipes), seed=seed)
-    results = run_benchmark(opts, log=lambda *a: None)["recipes"]
+    results, _ = recipe_runs(opts)  # "mpfused": trained once for the parity tests
     ref = results["mpfused"]
     assert ref["status"] == "ok", ref.get("reason")
     assert ref["losses"][-1] < ref["losses"][0] - 1.0  # it does learn

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from mpfused.bench.presets import SIZE_PRESETS
-from mpfused.bench.recipes import RECIPES
 from mpfused.bench.runner import BenchOptions, run_benchmark
+from tests.parity_runs import recipe_runs
 
 
 def smooth(xs, k=5):
@@ -59,18 +59,6 @@ def test_sgd_and_lion_follow_native_amp(optimizer):
         assert abs(a - b) / b < 0.05
 
 
-def _capture_optimizers(monkeypatch, names):
-    """Wrap the named recipes' builders so the optimizers they build and train can be inspected."""
-    optimizers = {}
-    for name in names:
-        def build(*args, _build=RECIPES[name].build, _name=name):
-            setup = _build(*args)
-            optimizers[_name] = setup.optimizer
-            return setup
-        monkeypatch.setitem(RECIPES, name, dataclasses.replace(RECIPES[name], build=build))
-    return optimizers
-
-
 def _elements(optimizer, state_dtype=None):
     """Elements of the optimizer's params, all of them or those whose exp_avg has state_dtype."""
     return sum(p.numel() for group in optimizer.param_groups for p in group["params"]
@@ -108,10 +96,9 @@ def test_adamw8bit_follows_32bit_state(dtype, monkeypatch):
     broken 8-bit run fails it: its lr x10 gives +11% to +15%, lr x0.7 gives +1.3% to +2.1%."""
     monkeypatch.setitem(SIZE_PRESETS, PARITY_8BIT_SIZE,
                         dataclasses.replace(SIZE_PRESETS["tiny"], lr=1e-3))
-    optimizers = _capture_optimizers(monkeypatch, ["mpfused", "mpfused-8bit"])
     opts = BenchOptions(device="cpu", size=PARITY_8BIT_SIZE, dtype=dtype, steps=PARITY_8BIT_STEPS,
                         recipes=["mpfused", "mpfused-8bit"], seed=3)
-    results = run_benchmark(opts, log=lambda *a: None)["recipes"]
+    results, optimizers = recipe_runs(opts)  # "mpfused": trained once for the parity tests
     ref, ours = results["mpfused"], results["mpfused-8bit"]
     for r in (ref, ours):
         assert r["status"] == "ok", r.get("reason")

@@ -7,10 +7,10 @@ mean training loss of the last 20 steps)."""
 import pytest
 import torch
 
+from tests.parity_runs import recipe_runs
 from tests.test_training_parity import (PARITY_8BIT_SIZE, PARITY_8BIT_STEPS,
                                         PARITY_8BIT_TOLERANCE_PCT, SIZE_PRESETS, BenchOptions,
-                                        _capture_optimizers, _elements, dataclasses,
-                                        run_benchmark)
+                                        _elements, dataclasses)
 
 
 def test_adamw4bit_follows_32bit_state(monkeypatch):
@@ -21,10 +21,9 @@ def test_adamw4bit_follows_32bit_state(monkeypatch):
     test_adamw8bit_follows_32bit_state (lr 1e-3 keeps the run out of its chaotic regime)."""
     monkeypatch.setitem(SIZE_PRESETS, PARITY_8BIT_SIZE,
                         dataclasses.replace(SIZE_PRESETS["tiny"], lr=1e-3))
-    optimizers = _capture_optimizers(monkeypatch, ["mpfused", "mpfused-4bit"])
     opts = BenchOptions(device="cpu", size=PARITY_8BIT_SIZE, dtype="bf16",
                         steps=PARITY_8BIT_STEPS, recipes=["mpfused", "mpfused-4bit"], seed=3)
-    results = run_benchmark(opts, log=lambda *a: None)["recipes"]
+    results, optimizers = recipe_runs(opts)  # "mpfused": trained once for the parity tests
     ref, ours = results["mpfused"], results["mpfused-4bit"]
     for r in (ref, ours):
         assert r["status"] == "ok", r.get("reason")
