@@ -26,6 +26,7 @@ block; the kernel updates in fp32, the reference in float64 rounded once):
   stochastic rounding: >= 99% of the elements bit-identical; fp32 masters and joined remainders
   rtol 1e-6, atol 1e-8; remainder8 masters REMAINDER8_TOL.
 """
+import contextlib
 import random
 
 import pytest
@@ -77,6 +78,21 @@ def require(op, dev, backend):
         pytest.skip(f"{op}: no {backend} backend on {dev}")
 
 
+@contextlib.contextmanager
+def one_intraop_thread():
+    """torch on one intra-op thread for the test's own float64 work (reference, agreement check,
+    state set-up): elementwise math and maxima, the same values on any thread count. On a loaded
+    2-core machine each parallel region of it spins the second OpenMP thread while it waits to be
+    scheduled: measured, the native kernels' named cases of both widths 19 s of CPU with 2
+    threads, 2.8 s with this (the kernel itself still on the caller's threads)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
 # ---- the codec of each width ------------------------------------------------------------------
 def qmap_for(op, device="cpu"):
     return qm.signed_map(device) if kind_bits(op)[1] == 8 else q4.signed4_map(device)
@@ -103,6 +119,7 @@ def unpack(op, codes, n):
 
 
 # ---- state ------------------------------------------------------------------------------------
+@one_intraop_thread()
 def make_state(shapes, dtypes, mode, device, block, steps=None, op="sgd8bit_step_", tiny=False):
     """Mid-training state: the 32-bit harness's params, grads, masters and step counts (0: SGD's
     first step takes the gradient as its buffer), random int8 corrections for remainder8, the
@@ -270,13 +287,16 @@ def assert_matches_reference(op, s0, got, exp, rec, kw):
 
 
 def step_and_compare(op, s, backend, rec, **kw):
-    """One step of `backend` on s, compared with the reference's from the same inputs."""
-    s0, expect = clone_state(s), clone_state(s)
-    rec["state"].clear()
-    rec["c"].clear()
-    step(op, expect, "reference", **kw)
+    """One step of `backend` on s, compared with the reference's from the same inputs. Only the
+    kernel under test runs on the caller's thread count (natively: its parallel split)."""
+    with one_intraop_thread():
+        s0, expect = clone_state(s), clone_state(s)
+        rec["state"].clear()
+        rec["c"].clear()
+        step(op, expect, "reference", **kw)
     step(op, s, backend, **kw)
-    assert_matches_reference(op, s0, s, expect, rec, kw)
+    with one_intraop_thread():
+        assert_matches_reference(op, s0, s, expect, rec, kw)
 
 
 def scaling(s, scale, clip, fixed=False):
@@ -295,6 +315,8 @@ def run_steps(op, s, backend, rec, nsteps=3, scale=None, clip=None, fixed=False,
     """nsteps steps, each compared with the reference; fresh: new grads before each (else the
     state's grads for the first)."""
     for k in range(nsteps):
-        if fresh or k:
-            SL.new_grads(s, scale or 1.0)
-        step_and_compare(op, s, backend, rec, **kw, **scaling(s, scale, clip, fixed))
+        with one_intraop_thread():
+            if fresh or k:
+                SL.new_grads(s, scale or 1.0)
+            scaled = scaling(s, scale, clip, fixed)
+        step_and_compare(op, s, backend, rec, **kw, **scaled)
