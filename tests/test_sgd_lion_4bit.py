@@ -299,5 +299,10 @@ def test_block_size_default_is_stated_once(cls):
     opt = klass([torch.nn.Parameter(torch.zeros(8))], **kw)
     assert opt.param_groups[0]["block_size"] == DEFAULT_BLOCK_SIZE[klass._STATE_BITS]
     assert set(DEFAULT_BLOCK_SIZE.values()) <= set(BLOCK_SIZES)
+    # estimate_memory's default is the width's too (block_size=None -> DEFAULT_BLOCK_SIZE)
     est = inspect.signature(mpfused.amp.estimate_memory).parameters["block_size"].default
-    assert est == DEFAULT_BLOCK_SIZE[8]
+    assert est is None
+    bits = klass._STATE_BITS
+    assert (mpfused.amp.estimate_memory(10**6, "8bit", state_bits=bits)
+            == mpfused.amp.estimate_memory(10**6, "8bit", state_bits=bits,
+                                           block_size=DEFAULT_BLOCK_SIZE[bits]))

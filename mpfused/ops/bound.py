@@ -80,10 +80,12 @@ class BoundOp:
                  **scalars):
         pre, self._pre = self._pre, None
         # BoundLists calls the dispatcher op: only where the router registered the native kernel
+        # is_compiling first: under torch.compile nothing here may build the ScriptClass
         if ((backend is None or backend == "auto" or backend == "native")
+                and not torch.compiler.is_compiling()
                 and self.op.native_available(self.device_type)
                 and (self._native if self._native is not _UNBUILT else self.native()) is not None
-                and (pre is None or self._released) and not torch.compiler.is_compiling()):
+                and (pre is None or self._released)):
             if scalars.keys() == self._names:  # the optimizers pass every keyword: one compare
                 ordered = map(scalars.__getitem__, self._order)
             else:
