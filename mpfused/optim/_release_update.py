@@ -1,0 +1,122 @@
+"""Gradient release's update of one release bucket (mpfused/optim/release.py): the bucket's
+non-finite check and its fused update launches, the kernel plan per (group, ready params), and
+the per-backward flags and scale. A mixin of ``release.GradRelease``, which provides
+``optimizer``, ``skipped``, ``_clip``, ``_group_base`` and the per-backward caches."""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from mpfused.ops.bound import BoundOp, check_and_record
+from mpfused.optim._release_buckets import _Entry
+from mpfused.optim._state_table import epoch as state_epoch, tracked
+
+
+class BucketUpdate:
+    """The update part of ``GradRelease``: ``_update`` is what every release path (plain, DDP,
+    FSDP2) calls with a release bucket's ready params and grads."""
+
+    def _update(self, group_index: int, ready: tuple, ready_grads: list,
+                checked: bool = False) -> None:
+        """Check and update the params ``group["params"][i] for i in ready`` with these grads:
+        one decision for all of them (the release bucket is the unit that is skipped, however
+        the planner splits it by dtype and state kind), one update launch per planner bucket.
+        Without clipping the check is part of the first launch (``BoundOp.check_first``: one
+        native call); with clip='previous' its per-grad sums of squares come first. ``checked``:
+        the caller has checked and recorded the bucket's flag (FSDP2: all-reduced first)."""
+        entry = self._entry(group_index, ready, ready_grads)
+        if not entry.parts:
+            return
+        opt = self.optimizer
+        group = opt.param_groups[group_index]
+        flags = self._flags.get(entry.device)
+        scale, inv, found, total = flags if flags is not None else self._flags_on(entry.device)
+        if entry.whole:  # one planner bucket of the grads in ready order (the usual case)
+            parts = ((entry.parts[0][0], ready_grads),)
+        else:
+            parts = [(b, list(pick(ready_grads)[:-1])) for b, pick in entry.parts]
+        clip_sq, first = None, None
+        if self._clip is None and not checked:
+            first = parts[0][0].state.get("step_")
+            if isinstance(first, BoundOp):
+                first.check_first(ready_grads, found, inv, total, self.skipped)
+            else:  # an optimizer whose buckets do not launch through a BoundOp
+                first = None
+                check_and_record(ready_grads, found, inv, total, self.skipped,
+                                 backend=opt._backend)
+        elif not checked:  # one norm for the release bucket, from all its parts' sums of squares
+            clip_sq = self._clip.check_and_estimate([gs for _, gs in parts], entry.clip_ids,
+                                                    found, inv, total, self.skipped, opt._backend)
+        scaling = self._scaling.get(entry.device) if clip_sq is None else None
+        if scaling is None:  # without clip: once per device and backward (the same every bucket)
+            scaling = dict(grad_scale=scale, found_inf=found, norm_sq=clip_sq,
+                           max_grad_norm=float(opt.max_grad_norm or 0.0), seed=opt._seed)
+            self._scaling[entry.device] = scaling if clip_sq is None else None
+        try:
+            hyper = self._hypers.get((group_index, entry.device))
+            if hyper is None:  # once per group and backward (options change between steps)
+                hyper = self._hypers[(group_index, entry.device)] = opt._hyper(group,
+                                                                               entry.device)
+            for b, gs in parts:
+                opt._launch(b, gs, group, hyper, scaling)
+        finally:
+            if first is not None:
+                first._pre = None  # (consumed by the first launch unless it failed before)
+
+    def _entry(self, group_index: int, ready: tuple, ready_grads: list) -> "_Entry":
+        """The kernel plan of these ready params and how to feed it (cached: the same sets come
+        every step), made by the optimizer's own planner; remade after a write to the state, as
+        step() does."""
+        opt = self.optimizer
+        if self._epoch != state_epoch() or opt.state is not self._state_obj:
+            opt.state = tracked(opt.state)
+            self._entries = {}
+        entry = self._entries.get((group_index, ready))
+        if entry is None:
+            entry = self._entries[(group_index, ready)] = self._make_entry(group_index, ready,
+                                                                           ready_grads)
+            self._epoch, self._state_obj = state_epoch(), opt.state
+        return entry
+
+    def _make_entry(self, group_index: int, ready: tuple, ready_grads: list) -> "_Entry":
+        opt = self.optimizer
+        group = opt.param_groups[group_index]
+        grads = [None] * len(group["params"])  # the planner indexes a group-length grad list
+        for i, g in zip(ready, ready_grads):
+            grads[i] = g
+        plan = opt._plan(group_index, group, grads, cache=False)
+        at = {i: k for k, i in enumerate(ready)}  # group index -> position in ready_grads
+        parts = [(b, operator.itemgetter(*(at[i] for i in b.indices), at[b.indices[0]]))
+                 for b in plan.buckets]  # (a tuple even for one index; the last one dropped)
+        device = plan.buckets[0].state["local_params"][0].device if plan.buckets else None
+        clip_ids = None
+        if self._clip is not None:  # flat positions of the params, in the order they are checked
+            base = self._group_base[group_index]
+            clip_ids = torch.tensor([base + i for b in plan.buckets for i in b.indices],
+                                    device=self.skipped.device)
+        whole = len(plan.buckets) == 1 and tuple(plan.buckets[0].indices) == tuple(ready)
+        return _Entry(parts, device, clip_ids, whole)
+
+    def _flags_on(self, device) -> tuple:
+        """(grad_scale, inverse scale, the bucket's found flag, the backward's found flag) on a
+        device: the scale and its inverse once per backward; the bucket flag is one tensor reused
+        by every bucket (each check clears it), the backward's made once per backward."""
+        flags = self._flags.get(device)
+        if flags is None:
+            scale = self._scale_on(device)
+            inv = (torch.ones((), dtype=torch.float32, device=device) if scale is None
+                   else scale.double().reciprocal().float())
+            found = self._bucket_found.get(device)
+            if found is None:
+                found = self._bucket_found[device] = torch.zeros((), dtype=torch.float32,
+                                                                 device=device)
+            self._found[device] = torch.zeros((), dtype=torch.float32, device=device)
+            flags = self._flags[device] = (scale, inv, found, self._found[device])
+        return flags
+
+    def _scale_on(self, device):
+        s = self.scaler
+        if s is None or not s.is_enabled() or s._scale is None:
+            return None
+        return s._scale.to(device)
