@@ -30,8 +30,7 @@ class BucketUpdate:
             return
         opt = self.optimizer
         group = opt.param_groups[group_index]
-        flags = self._flags.get(entry.device)
-        scale, inv, found, total = flags if flags is not None else self._flags_on(entry.device)
+        scale, inv, found, total = self._flags_on(entry.device)
         if entry.whole:  # one planner bucket of the grads in ready order (the usual case)
             parts = ((entry.parts[0][0], ready_grads),)
         else:
@@ -48,11 +47,13 @@ class BucketUpdate:
         elif not checked:  # one norm for the release bucket, from all its parts' sums of squares
             clip_sq = self._clip.check_and_estimate([gs for _, gs in parts], entry.clip_ids,
                                                     found, inv, total, self.skipped, opt._backend)
-        scaling = self._scaling.get(entry.device) if clip_sq is None else None
-        if scaling is None:  # without clip: once per device and backward (the same every bucket)
-            scaling = dict(grad_scale=scale, found_inf=found, norm_sq=clip_sq,
-                           max_grad_norm=float(opt.max_grad_norm or 0.0), seed=opt._seed)
-            self._scaling[entry.device] = scaling if clip_sq is None else None
+        scaling = self._scaling.get(entry.device)
+        if scaling is None:  # once per device and backward: the same for every bucket
+            scaling = self._scaling[entry.device] = dict(
+                grad_scale=scale, found_inf=found, norm_sq=None,
+                max_grad_norm=float(opt.max_grad_norm or 0.0), seed=opt._seed)
+        if clip_sq is not None:  # clip='previous': this bucket's norm estimate
+            scaling = dict(scaling, norm_sq=clip_sq)
         try:
             hyper = self._hypers.get((group_index, entry.device))
             if hyper is None:  # once per group and backward (options change between steps)
