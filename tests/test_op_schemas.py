@@ -166,9 +166,9 @@ def _bits(tensors):
 
 @pytest.mark.parametrize("op,index,kind", BAD)
 def test_triton_launcher_checks_with_the_fake_kernels_rules(op, index, kind):
-    """Each operand rule is stated once in Python (ops/checks.py): the Triton launcher calls the
-    fake kernel's function (values=True), so the same fault gets the same message, before
-    anything is written."""
+    """Each operand rule is stated once in Python (mpfused/operand_checks.py): the Triton launcher
+    calls the fake kernel's function (values=True), so the same fault gets the same message,
+    before anything is written."""
     if "triton" not in OPS[op].available("cpu"):
         pytest.skip("no Triton")
     args, kwargs, match = _bad_case(op, index, kind)

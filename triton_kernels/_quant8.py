@@ -2,7 +2,7 @@
 shared by the 8-bit kernels: one program per quantization block dequantizes its state with the
 block's old absmax, the kernel updates it in fp32, and store_quantized writes the new absmax and
 codes. Host side: the per-tensor launch loop and the whole host side of the one-state steps (SGD,
-Lion; their argument checks: mpfused/ops/checks.py's one_state_operands).
+Lion; their argument checks: mpfused/operand_checks.py's one_state_operands).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from mpfused.master_modes import MASTER_DTYPE, kernel_mode
-from mpfused.ops.checks import one_state_operands
+from mpfused.operand_checks import one_state_operands
 from mpfused.quant_maps import thresholds, zero_code as map_zero_code
 from mpfused.reference.adam import sr_streams
 from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, f64_bits, i64_bits
