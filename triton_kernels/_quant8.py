@@ -125,9 +125,8 @@ def one_state_step(kernel, op, state_name, params, grads, codes, absmaxs, master
                        norm_sq=norm_sq, param_ids=param_ids, elem_offsets=elem_offsets,
                        values=True)
     dev = params[0].device
+    # the sign rule steps one code below +0 (above its lowest entry: one_state_operands checked)
     thr, zc = thresholds(qmap), map_zero_code(qmap) if bits == 8 else -1
-    if bits == 8 and zc <= 0:  # the sign rule steps one code below +0
-        raise RuntimeError("mpfused: qmap must hold +0.0 above its lowest entry")
     streams = sr_streams(len(params), param_ids, elem_offsets)
     hyper_bits = [f64_bits(x) for x in tuple(hyper) + (max_grad_norm,)]
     dummy = torch.zeros(1, dtype=torch.float32, device=dev)  # absent pointers (never read)
