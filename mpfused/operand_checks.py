@@ -82,8 +82,8 @@ def check_list(op: str, name: str, tensors, n: int, dev, dtype=None, *, like=Non
 def check_block_size(op: str, block_size) -> None:
     """A block-wise op's block size (a ValueError, as the optimizers' own check)."""
     if block_size not in BLOCK_SIZES:
-        raise ValueError(f"mpfused: {op}: block_size must be a power of two in [64, 4096], got "
-                         f"{block_size}")
+        raise ValueError(f"mpfused: {op}: block_size must be a power of two in "
+                         f"[{BLOCK_SIZES[0]}, {BLOCK_SIZES[-1]}], got {block_size}")
 
 
 def codes_numel(numel: int, bits: int) -> int:
