@@ -1,6 +1,6 @@
 """Master-mode codes and the mode a kernel applies per param dtype: the Python statement of
 csrc/include/mpfused/adam_math.h's MasterMode / effective mode (dispatch_master_mode), for the
-operand checks of the fake kernels and Triton launchers (mpfused/ops/checks.py), the Triton
+operand checks of the fake kernels and Triton launchers (mpfused/operand_checks.py), the Triton
 launch loops (triton_kernels/_elementwise.py), the reference (mpfused/reference/adam.py) and the
 optimizers' names for them (optim/engine.py)."""
 from __future__ import annotations

@@ -243,6 +243,27 @@ def test_save_load_mid_run_continues_bit_identically(dtype, master):
             assert torch.equal(opt2.state[q][k], v), k
 
 
+def test_float_written_over_one_moment_decodes_the_other_in_its_blocks():
+    """A float written over one 4-bit moment (a reset of some state): the other, still codes, is
+    decoded in its own 128-element blocks (told by its absmax length; the hint where no group is
+    at hand is the width's default, quant_maps.DEFAULT_BLOCK_SIZE), then both re-quantized."""
+    params = _params(torch.float32)
+    opt = mpfused.AdamW4bit(params)
+    _grads(params, 0)
+    opt.step()
+    p = params[0]
+    st = opt.state[p]
+    want = q4.dequantize4_blockwise(st["exp_avg"], st["exp_avg_absmax"], q4.signed4_map(), 128,
+                                    p.shape)
+    st["exp_avg_sq"] = torch.zeros(p.shape)
+    opt._adopt_written_state(p)
+    assert st["exp_avg"].dtype == torch.float32 and "exp_avg_absmax" not in st
+    assert torch.equal(st["exp_avg"], want)
+    _grads(params, 1)
+    opt.step()
+    assert st["exp_avg"].dtype == torch.uint8 and st["exp_avg_absmax"].numel() == 65
+
+
 def test_checkpoints_do_not_cross_code_widths():
     params = _params(torch.float32)
     opt = mpfused.AdamW4bit(params)

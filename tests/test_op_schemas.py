@@ -166,9 +166,9 @@ def _bits(tensors):
 
 @pytest.mark.parametrize("op,index,kind", BAD)
 def test_triton_launcher_checks_with_the_fake_kernels_rules(op, index, kind):
-    """Each operand rule is stated once in Python (ops/checks.py): the Triton launcher calls the
-    fake kernel's function (values=True), so the same fault gets the same message, before
-    anything is written."""
+    """Each operand rule is stated once in Python (mpfused/operand_checks.py): the Triton launcher
+    calls the fake kernel's function (values=True), so the same fault gets the same message,
+    before anything is written."""
     if "triton" not in OPS[op].available("cpu"):
         pytest.skip("no Triton")
     args, kwargs, match = _bad_case(op, index, kind)
@@ -281,6 +281,51 @@ def test_bad_amp_scalar_refused_on_every_backend(op, key):
         after = [a for a in args if isinstance(a, list)]
         assert all(torch.equal(x, y) for a, b in zip(after, before) for x, y in zip(a, b)), \
             backend
+
+
+# The signed map's value rule of the 8-bit ops (operand_checks.check_signed_map): +0.0 above its
+# lowest entry, so a zero moment encodes exactly and the sign rule has a code below +0. Maps that
+# break it: bitsandbytes' unsigned map (+0 is its lowest entry), a sorted map without a zero, and
+# the signed map with -0.0 in place of +0.0.
+def _map_without_plus_zero(kind):
+    from mpfused import quant_maps as qm
+    if kind == "unsigned":
+        return qm.unsigned_map("cpu").clone()
+    if kind == "no-zero":
+        return torch.linspace(-1, 1, 256)
+    q = qm.signed_map("cpu").clone()
+    q[qm.zero_code(q)] = -0.0
+    return q
+
+
+@pytest.mark.parametrize("kind", ["unsigned", "no-zero", "minus-zero"])
+@pytest.mark.parametrize("op", ["adam8bit_step_", "sgd8bit_step_", "lion8bit_step_"])
+def test_signed_map_without_plus_zero_refused_on_every_backend(op, kind):
+    """Every kernel backend refuses the map with the same message (the native binding's has no
+    op name) and writes nothing; a value rule, so the fake kernel leaves it alone."""
+    index = [a.name for a in _schema(op).arguments].index("qmap1" if op.startswith("adam")
+                                                           else "qmap")
+    name = _schema(op).arguments[index].name
+    backends = [b for b in OPS[op].available("cpu") if b != "reference"]
+    assert backends, "no kernel backend on the CPU"
+    messages = {}
+    for backend in backends:
+        args, kwargs, outputs = inputs(op, "bf16", "fp32-master",
+                                       torch.Generator().manual_seed(0))
+        args[index] = _map_without_plus_zero(kind)
+        if backend == backends[0]:
+            with FakeTensorMode() as fm:
+                getattr(torch.ops.mpfused, op).default(*_fake(fm, args), **_fake(fm, kwargs))
+        before = _bits(outputs)
+        with pytest.raises(RuntimeError, match=rf"mpfused: ({op}: )?{name} \(signed map\) must "
+                                               r"hold \+0\.0 above its lowest entry") as error:
+            OPS[op](*args, **kwargs, backend=backend)
+        messages[backend] = str(error.value).splitlines()[0].replace(f"{op}: ", "")
+        assert all(torch.equal(a, b) for a, b in zip(_bits(outputs), before)), (backend,
+                                                                                "changed")
+    if "triton" in OPS[op].available("cpu"):
+        assert "triton" in messages
+    assert len(set(messages.values())) == 1, messages
 
 
 def test_fake_kernel_of_update_scale_checks_the_trackers():

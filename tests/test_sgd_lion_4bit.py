@@ -306,3 +306,40 @@ def test_block_size_default_is_stated_once(cls):
     assert (mpfused.amp.estimate_memory(10**6, "8bit", state_bits=bits)
             == mpfused.amp.estimate_memory(10**6, "8bit", state_bits=bits,
                                            block_size=DEFAULT_BLOCK_SIZE[bits]))
+
+
+@pytest.mark.parametrize("cls", ["AdamW8bit", "Adam8bit", "SGD8bit", "Lion8bit", "AdamW4bit",
+                                 "Adam4bit", "SGD4bit", "Lion4bit"])
+def test_checkpoint_without_its_block_size_loads_in_the_widths_blocks(cls):
+    """A checkpoint that lost its block size (no "mpfused_8bit" entry, param groups without
+    block_size: what a checkpointer keeping only torch's keys writes) is read in the width's
+    default blocks (quant_maps.DEFAULT_BLOCK_SIZE: bitsandbytes' 256, torchao's 4-bit 128), not
+    in 256-element blocks whatever the width: it loads and continues bit for bit."""
+    from mpfused.quant_maps import DEFAULT_BLOCK_SIZE
+    klass = getattr(mpfused, cls)
+    block = DEFAULT_BLOCK_SIZE[klass._STATE_BITS]
+    kw = dict(lr=0.01, momentum=0.9) if cls.startswith("SGD") else dict(lr=1e-3)
+    pa = _params()
+    oa = klass(pa, **kw)
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(2):
+        _set_grads(gen, pa)
+        oa.step()
+    saved = oa.state_dict()
+    assert saved["param_groups"][0]["block_size"] == block
+    saved.pop("mpfused_8bit")
+    saved["param_groups"] = [{k: v for k, v in g.items() if k != "block_size"}
+                             for g in saved["param_groups"]]
+    assert saved["state"][1]["absmax1"].numel() == -(-5001 // block)  # multi-block, odd length
+    pb = _clone(pa)
+    ob = klass(pb, **kw)
+    ob.load_state_dict(saved)
+    for a, b in zip(pa, pb):
+        assert oa.state[a].keys() == ob.state[b].keys()
+        for k, v in oa.state[a].items():
+            assert torch.equal(v, ob.state[b][k]), k
+    _set_grads(gen, pa, pb)
+    oa.step()
+    ob.step()
+    for a, b in zip(pa, pb):
+        assert torch.equal(a.detach().view(torch.uint8), b.detach().view(torch.uint8))

@@ -175,7 +175,8 @@ def test_triton_8bit_argument_checks():
     with pytest.raises(RuntimeError, match=r"grads\[0\] must have its param's dtype"):
         step("lion8bit_step_", {**s, "grads": [s["grads"][0].half()]}, "triton")
     args, kwargs = op_args("lion8bit_step_", s, qmap=qm.unsigned_map())  # no code below +0
-    with pytest.raises(RuntimeError, match=r"qmap must hold \+0.0 above its lowest entry"):
+    with pytest.raises(RuntimeError, match=r"lion8bit_step_: qmap \(signed map\) must hold \+0\.0 "
+                                           r"above its lowest entry"):
         OPS["lion8bit_step_"](*args, **kwargs, backend="triton")
     bf = make_state([(100,)], BF16, NONE, "cpu", 64)
     with pytest.raises(RuntimeError, match="needs one master per param"):

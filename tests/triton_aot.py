@@ -235,10 +235,12 @@ def drive_scaler():
 
 def drive_64bit_sizes():
     """Tensors of more than 2^31 elements (n becomes an i64 argument): meta tensors, so nothing
-    is allocated (the 8-bit maps' thresholds, computed from their values, are stubbed). No
-    found_inf: the step counters' device-side increment by it has no meta kernel."""
+    is allocated (the 8-bit maps' thresholds and +0 codes, computed from their values, are
+    stubbed, in the launchers and in the signed-map check). No found_inf: the step counters'
+    device-side increment by it has no meta kernel."""
     from unittest import mock
 
+    from mpfused import operand_checks
     from mpfused.triton_kernels import _quant8, adam8bit
     from mpfused.triton_kernels.adam import adam_step_
     from mpfused.triton_kernels.amp import unscale_grads_
@@ -268,7 +270,8 @@ def drive_64bit_sizes():
                max_grad_norm=1.0)
     blocks = (n + 255) // 256
     with mock.patch.object(adam8bit, "thresholds", lambda qmap: big(size=255)), \
-            mock.patch.object(adam8bit, "zero_code", lambda qmap: 127):
+            mock.patch.object(adam8bit, "zero_code", lambda qmap: 127), \
+            mock.patch.object(operand_checks, "zero_code", lambda qmap: 127):
         adam8bit.adam8bit_step_([big(bf16)], [big(bf16)], [big(torch.uint8)], [big(torch.uint8)],
                                 [big(size=blocks)], [big(size=blocks)], [big()], [one()],
                                 big(size=256), big(size=256), block_size=256, lr=1e-3,
@@ -276,7 +279,8 @@ def drive_64bit_sizes():
                                 weight_decay=0.1, maximize=False, decoupled=True, master_mode=1,
                                 grad_scale=one(), found_inf=None, norm_sq=one(), max_grad_norm=1.0)
     with mock.patch.object(_quant8, "thresholds", lambda qmap: big(size=255)), \
-            mock.patch.object(_quant8, "map_zero_code", lambda qmap: 127):
+            mock.patch.object(_quant8, "map_zero_code", lambda qmap: 127), \
+            mock.patch.object(operand_checks, "zero_code", lambda qmap: 127):
         from mpfused.triton_kernels.lion8bit import lion8bit_step_
         from mpfused.triton_kernels.sgd8bit import sgd8bit_step_
         sgd8bit_step_([big(bf16)], [big(bf16)], [big(torch.uint8)], [big(size=blocks)], [big()],

@@ -1,7 +1,7 @@
 """Host side shared by the Triton elementwise optimizer steps (Adam, SGD, Lion): the master mode a
 tensor gets, staging of layouts the kernels cannot update in place, the per-tensor launch loop
 (one launch per non-empty tensor: pointer tables are not portable to the interpreter) and the
-device-side step-counter advance. The argument checks are the ops' (mpfused/ops/checks.py's
+device-side step-counter advance. The argument checks are the ops' (mpfused/operand_checks.py's
 check_step with values=True, called by each launcher before anything is written).
 
 Sync-free: the step counters, lr_tensor, grad_scale, found_inf and norm_sq are only handed to

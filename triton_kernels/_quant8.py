@@ -2,7 +2,7 @@
 shared by the 8-bit kernels: one program per quantization block dequantizes its state with the
 block's old absmax, the kernel updates it in fp32, and store_quantized writes the new absmax and
 codes. Host side: the per-tensor launch loop and the whole host side of the one-state steps (SGD,
-Lion; their argument checks: mpfused/ops/checks.py's one_state_operands).
+Lion; their argument checks: mpfused/operand_checks.py's one_state_operands).
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from mpfused.master_modes import MASTER_DTYPE, kernel_mode
-from mpfused.ops.checks import one_state_operands
+from mpfused.operand_checks import one_state_operands
 from mpfused.quant_maps import thresholds, zero_code as map_zero_code
 from mpfused.reference.adam import sr_streams
 from mpfused.triton_kernels._bits import DTYPE_CODE, as_kernel_arg, f64_bits, i64_bits
@@ -125,9 +125,8 @@ def one_state_step(kernel, op, state_name, params, grads, codes, absmaxs, master
                        norm_sq=norm_sq, param_ids=param_ids, elem_offsets=elem_offsets,
                        values=True)
     dev = params[0].device
+    # the sign rule steps one code below +0 (above its lowest entry: one_state_operands checked)
     thr, zc = thresholds(qmap), map_zero_code(qmap) if bits == 8 else -1
-    if bits == 8 and zc <= 0:  # the sign rule steps one code below +0
-        raise RuntimeError("mpfused: qmap must hold +0.0 above its lowest entry")
     streams = sr_streams(len(params), param_ids, elem_offsets)
     hyper_bits = [f64_bits(x) for x in tuple(hyper) + (max_grad_norm,)]
     dummy = torch.zeros(1, dtype=torch.float32, device=dev)  # absent pointers (never read)

@@ -4,7 +4,7 @@ non-empty tensor (no pointer tables: they are not portable to the interpreter).
 Sync-free: the step counters, lr_tensor, grad_scale, found_inf and norm_sq are read on device,
 inside the kernel. A program returns at once when found_inf > 0, and the step counters advance by
 (found_inf <= 0) with one foreach op, so a skipped step changes nothing at all (the launch loop,
-staging and counters: _elementwise.py; the argument checks: mpfused/ops/checks.py).
+staging and counters: _elementwise.py; the argument checks: mpfused/operand_checks.py).
 
 Numerics, as the CPU kernel (csrc/cpu/adam_cpu.cpp): per-tensor scalars formed once per program
 (fp32 beta2 and eps; 1 - beta1, 1 - beta2, lr * weight_decay, step_size = lr / (1 - beta1^t) and
@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mpfused.ops.checks import adam_operands
+from mpfused.operand_checks import adam_operands
 from mpfused.triton_kernels._adam_scalars import adam_scalars
 from mpfused.triton_kernels._master import store_weight
 from mpfused.triton_kernels._step_block import load_block, step_skipped

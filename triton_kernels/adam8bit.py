@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpfused.ops.checks import adam8bit_operands
+from mpfused.operand_checks import adam8bit_operands
 from mpfused.quant_maps import thresholds, zero_code
 from mpfused.triton_kernels._adam_scalars import adam_scalars
 from mpfused.triton_kernels._master import store_weight

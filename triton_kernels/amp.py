@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpfused.ops.checks import check_amp
+from mpfused.operand_checks import check_amp
 from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, f64_from_bits,
                                           is_nonfinite, load_f32, num_warps_for, store_f32)
 from mpfused.triton_kernels._device import on_tensors_device

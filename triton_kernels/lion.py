@@ -20,7 +20,7 @@ from mpfused.reference.adam import sr_streams
 from mpfused.triton_kernels._bits import (DTYPE_CODE, as_kernel_arg, f64_bits, f64_from_bits,
                                           i64_bits)
 from mpfused.triton_kernels._device import on_tensors_device
-from mpfused.ops.checks import lion_operands
+from mpfused.operand_checks import lion_operands
 from mpfused.triton_kernels._elementwise import (BLOCK, M64, advance_steps, for_each_tensor,
                                                  launch_options, scalar_operands)
 from mpfused.triton_kernels._master import store_weight

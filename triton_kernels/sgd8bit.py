@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mpfused.ops.checks import check_quantized_momentum
+from mpfused.operand_checks import check_quantized_momentum
 from mpfused.triton_kernels._device import on_tensors_device
 from mpfused.triton_kernels._master import store_weight
 from mpfused.triton_kernels._step_block import load_block, step_skipped

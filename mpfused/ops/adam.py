@@ -14,7 +14,7 @@ from typing import Sequence
 
 from torch import Tensor
 
-from mpfused.ops.checks import adam_operands, fake_kernel
+from mpfused.operand_checks import adam_operands, fake_kernel
 from mpfused.ops.registry import define_op
 from mpfused.reference import adam as ref
 

@@ -12,7 +12,7 @@ streams as adam8bit_step_."""
 from __future__ import annotations
 
 from mpfused.ops.adam8bit import ARGS, adam8bit_step_
-from mpfused.ops.checks import adam8bit_operands, fake_kernel
+from mpfused.operand_checks import adam8bit_operands, fake_kernel
 from mpfused.ops.registry import define_op
 from mpfused.reference import adam4bit as ref
 

@@ -10,7 +10,7 @@ from typing import Sequence
 
 from torch import Tensor
 
-from mpfused.ops.checks import adam8bit_operands, fake_kernel
+from mpfused.operand_checks import adam8bit_operands, fake_kernel
 from mpfused.ops.registry import define_op
 from mpfused.reference import adam8bit as ref
 

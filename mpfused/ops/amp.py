@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from mpfused.ops.checks import check_amp, check_tensor
+from mpfused.operand_checks import check_amp, check_tensor
 from mpfused.ops.registry import define_op
 from mpfused.reference import amp as ref
 

@@ -12,7 +12,7 @@ one only in a CUDA build, checked by nvcc and the host emulation, never on a GPU
 router serves the Triton kernel on CUDA."""
 from __future__ import annotations
 
-from mpfused.ops.checks import fake_kernel, one_state_operands
+from mpfused.operand_checks import fake_kernel, one_state_operands
 from mpfused.ops.lion8bit import ARGS, lion8bit_step_
 from mpfused.ops.registry import define_op
 from mpfused.reference import lion4bit as ref

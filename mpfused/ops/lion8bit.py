@@ -10,7 +10,7 @@ from typing import Sequence
 
 from torch import Tensor
 
-from mpfused.ops.checks import fake_kernel, one_state_operands
+from mpfused.operand_checks import fake_kernel, one_state_operands
 from mpfused.ops.registry import define_op
 from mpfused.reference import lion8bit as ref
 

@@ -15,7 +15,7 @@ emulation, never on a GPU); without it the router serves the Triton kernel on CU
 from __future__ import annotations
 
 from mpfused.ops.registry import define_op
-from mpfused.ops.checks import fake_kernel, one_state_operands
+from mpfused.operand_checks import fake_kernel, one_state_operands
 from mpfused.ops.sgd8bit import ARGS, sgd8bit_step_
 from mpfused.reference import sgd4bit as ref
 

@@ -40,8 +40,9 @@ def is_8bit_state(state, quant) -> bool:
 # ---- settings ------------------------------------------------------------------------------
 def _check_block_size(block_size, where: str = "block_size") -> None:
     if block_size not in BLOCK_SIZES:
-        raise ValueError(f"{where} must be one of {BLOCK_SIZES} (a power of two from 64 to "
-                         f"4096, as bitsandbytes), got {block_size!r}")
+        raise ValueError(f"{where} must be one of {BLOCK_SIZES} (a power of two from "
+                         f"{BLOCK_SIZES[0]} to {BLOCK_SIZES[-1]}, as bitsandbytes), got "
+                         f"{block_size!r}")
 
 
 def check_settings_8bit(group, where: str = "param group", bits: int = 8) -> None:
@@ -68,9 +69,13 @@ def _state_block_size(blocks: int, numel: int, current: int) -> int:
                        f"entries, which no block size in {BLOCK_SIZES} gives")
 
 
-def live_block_size(state, quant, numel: int, current: int) -> int:
-    """The block size of a live 8-bit state (it lags a block_size change until the next step)."""
+def live_block_size(state, quant, numel: int, current: int | None = None) -> int:
+    """The block size of a live 8-bit state (it lags a block_size change until the next step),
+    told by its absmax length; ``current`` (the group's, where known; default: the state width's,
+    DEFAULT_BLOCK_SIZE) only chooses among sizes that give one block (the same layout)."""
     q = next(q for q in quant if is_codes(state.get(q.key)))
+    if current is None:
+        current = DEFAULT_BLOCK_SIZE[q.bits]
     return _state_block_size(state[q.absmax_key].numel(), numel, current)
 
 
@@ -241,7 +246,10 @@ def _check_and_stash_8bit(optimizer, state_dict):
             saved = new_state[pid] = _saved_8bit(saved_state[pid], quant, where)
             if not _check_saved_kinds(saved, quant, p, where):
                 continue
-            block = sg.get("block_size", group["block_size"]) if ours else _BNB_BLOCK
+            # not ours (no format key, no block size): bitsandbytes' 256 for 8-bit state, the
+            # width's default (torchao's 128) for 4-bit: the format's blocks, DEFAULT_BLOCK_SIZE
+            block = (sg.get("block_size", group["block_size"]) if ours
+                     else DEFAULT_BLOCK_SIZE[quant[0].bits])
             if block != group["block_size"]:
                 raise ValueError(
                     f"load_state_dict: {where}: its 8-bit state was saved with "

@@ -228,7 +228,7 @@ class State8bit:
                   and state[q.key].is_floating_point()]
         codes = [q for q in self._quant if is_codes(state.get(q.key)) and q.absmax_key in state]
         if floats and codes:
-            block = live_block_size(state, codes, _local(p).numel(), 256)
+            block = live_block_size(state, codes, _local(p).numel())  # told by the absmax
             for q in codes:
                 state[q.key] = q.dequantize(state[q.key], state.pop(q.absmax_key), block,
                                             _local(p).shape)

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from mpfused.ops.checks import check_codes, check_qmap
+from mpfused.operand_checks import check_codes, check_qmap
 from mpfused.quant4 import dequantize4_blockwise, quantize4_blockwise
 from mpfused.quant_maps import dequantize_blockwise, quantize_blockwise
 from mpfused.reference.adam import param_updates, write_master
 
 
 def check_sizes(op, params, codes, qmaps, bits):
-    """The 4-bit size rules a kernel indexes by (the ops' rules, mpfused/ops/checks.py): 16-entry
-    maps, ceil(numel / 2) code bytes. ``codes``, ``qmaps``: (name, value) pairs."""
+    """The 4-bit size rules a kernel indexes by (the ops' rules, mpfused/operand_checks.py):
+    16-entry maps, ceil(numel / 2) code bytes. ``codes``, ``qmaps``: (name, value) pairs."""
     if bits != 4:
         return
     dev = params[0].device if params else qmaps[0][1].device

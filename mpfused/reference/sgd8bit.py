@@ -6,7 +6,7 @@ The kernels update in float32, so a code may differ where the buffer lies within
 threshold."""
 from __future__ import annotations
 
-from mpfused.ops.checks import check_quantized_momentum
+from mpfused.operand_checks import check_quantized_momentum
 from mpfused.reference.adam import param_updates, write_master
 from mpfused.reference.adam8bit import check_sizes, dequantized, store_quantized
 from mpfused.reference.sgd import momentum_update

@@ -7,10 +7,11 @@ that names the op and the argument ("mpfused: adam_step_: exp_avgs[3] has dtype 
 expected torch.float32 (exp_avgs[3] must be torch.float32 with params[3]'s 10 elements)"). The
 Triton launchers (and the 4-bit references' size rules) call the same functions with
 ``values=True``, which adds what only real tensors show: sizes (numels, codes per block size),
-1-element scalars, contiguity, sparse layouts, the block size and the maps' length. Outside
-tracing ``torch._check`` raises a plain RuntimeError, so either way the error names the op, the
-argument and the rule, before anything is written. Cheap: one pass over each list, no tensor is
-read.
+1-element scalars, contiguity, sparse layouts, the block size, the maps' length and the 8-bit
+signed map's +0 (check_signed_map). Outside tracing ``torch._check`` raises a plain
+RuntimeError, so either way the error names the op, the argument and the rule, before anything
+is written. Cheap: one pass over each list; no tensor is read but the signed map, once per
+version (the cache the launchers' thresholds read it through anyway).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 
 from mpfused.master_modes import MASTER_DTYPE, REMAINDER8, kernel_mode
 from mpfused.quant4 import codes4_numel
-from mpfused.quant_maps import BLOCK_SIZES
+from mpfused.quant_maps import BLOCK_SIZES, zero_code
 
 F32 = torch.float32
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -81,8 +82,8 @@ def check_list(op: str, name: str, tensors, n: int, dev, dtype=None, *, like=Non
 def check_block_size(op: str, block_size) -> None:
     """A block-wise op's block size (a ValueError, as the optimizers' own check)."""
     if block_size not in BLOCK_SIZES:
-        raise ValueError(f"mpfused: {op}: block_size must be a power of two in [64, 4096], got "
-                         f"{block_size}")
+        raise ValueError(f"mpfused: {op}: block_size must be a power of two in "
+                         f"[{BLOCK_SIZES[0]}, {BLOCK_SIZES[-1]}], got {block_size}")
 
 
 def codes_numel(numel: int, bits: int) -> int:
@@ -106,6 +107,18 @@ def check_qmap(op: str, name: str, qmap, dev, bits: int = 8, *, values: bool = F
     """A quantization map: 2**bits contiguous float32 entries."""
     check_tensor(op, name, qmap, dev, rule=f"must be a contiguous float32 tensor of {1 << bits} "
                  "entries", numel=1 << bits, contiguous=True, values=values)
+
+
+def check_signed_map(op: str, name: str, qmap) -> None:
+    """The map of an 8-bit state under the sign rule (Adam's exp_avg, SGD's momentum buffer,
+    Lion's moment) holds +0.0 above its lowest entry: a zero moment encodes exactly, and a
+    negative value that rounds to +0 steps one code below it (bitsandbytes' rule). A value rule
+    (values=True only): the map is read once per version, in quant_maps' cache that the Triton
+    launchers' thresholds share. The CPU bindings state it in C++ (cpu_signed_map_zero_code, same
+    message after the op's name), the CUDA kernels on the device (the prepare launch's validity
+    flag). 4-bit codes have no sign rule (nearest code): their maps need no +0."""
+    if zero_code(qmap) <= 0:
+        fail(op, f"{name} (signed map) must hold +0.0 above its lowest entry")
 
 
 def check_step(op: str, params, grads, states, masters, steps, *, master_mode: int, lr_tensor,
@@ -220,23 +233,29 @@ def lion_operands(op, params, grads, exp_avgs, masters, steps, **scalars) -> Non
 
 
 def adam8bit_operands(op, params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, masters,
-                      steps, qmap1, qmap2, *, block_size, bits=8, **scalars) -> None:
-    """adam8bit_step_ / adam4bit_step_ (``bits``): two code lists, their absmax, two maps."""
+                      steps, qmap1, qmap2, *, block_size, bits=8, values=False,
+                      **scalars) -> None:
+    """adam8bit_step_ / adam4bit_step_ (``bits``): two code lists, their absmax, two maps (8-bit:
+    qmap1 signed, check_signed_map)."""
     check_step(op, params, grads, (), masters, steps,
                codes=[("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)],
                absmaxs=[("absmax1s", absmax1s), ("absmax2s", absmax2s)],
                qmaps=[("qmap1", qmap1), ("qmap2", qmap2)], block_size=block_size, bits=bits,
-               **_scalars(**scalars))
+               **_scalars(values=values, **scalars))
+    if values and params and bits == 8:
+        check_signed_map(op, "qmap1", qmap1)
 
 
 def one_state_operands(op, state, params, grads, codes, absmaxs, masters, steps, qmap, *,
-                       block_size, bits=8, **scalars) -> None:
+                       block_size, bits=8, values=False, **scalars) -> None:
     """A one-state block-wise op, ``(params, grads, <state>, absmaxs, masters, steps, qmap, *,
     block_size, ...)`` (sgd8bit_step_, lion8bit_step_ and their 4-bit ops): uint8 codes named
-    ``state``, fp32 absmax, an fp32 map."""
+    ``state``, fp32 absmax, an fp32 map (8-bit: signed, check_signed_map)."""
     check_step(op, params, grads, (), masters, steps, codes=[(state, codes)],
                absmaxs=[("absmaxs", absmaxs)], qmaps=[("qmap", qmap)], block_size=block_size,
-               bits=bits, **_scalars(**scalars))
+               bits=bits, **_scalars(values=values, **scalars))
+    if values and params and bits == 8:
+        check_signed_map(op, "qmap", qmap)
 
 
 def check_quantized_momentum(op: str, momentum) -> None:
