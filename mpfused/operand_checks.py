@@ -19,7 +19,7 @@ import torch
 
 from mpfused.master_modes import MASTER_DTYPE, REMAINDER8, kernel_mode
 from mpfused.quant4 import codes4_numel
-from mpfused.quant_maps import BLOCK_SIZES, zero_code
+from mpfused.quant_maps import BLOCK_SIZES, is_sorted, zero_code
 
 F32 = torch.float32
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -104,9 +104,13 @@ def check_codes(op: str, name: str, codes, params, dev, bits: int = 8, *,
 
 
 def check_qmap(op: str, name: str, qmap, dev, bits: int = 8, *, values: bool = False) -> None:
-    """A quantization map: 2**bits contiguous float32 entries."""
+    """A quantization map: 2**bits contiguous float32 entries; with ``values``, strictly
+    increasing too (read once per map version, in quant_maps' cache; the CPU bindings state it
+    in C++, check_qmap_values, same message after the op's name)."""
     check_tensor(op, name, qmap, dev, rule=f"must be a contiguous float32 tensor of {1 << bits} "
                  "entries", numel=1 << bits, contiguous=True, values=values)
+    if values and not is_sorted(qmap):
+        fail(op, f"{name} must be strictly increasing (sorted)")
 
 
 def check_signed_map(op: str, name: str, qmap) -> None:
@@ -118,7 +122,7 @@ def check_signed_map(op: str, name: str, qmap) -> None:
     message after the op's name), the CUDA kernels on the device (the prepare launch's validity
     flag). 4-bit codes have no sign rule (nearest code): their maps need no +0."""
     if zero_code(qmap) <= 0:
-        fail(op, f"{name} (signed map) must hold +0.0 above its lowest entry")
+        fail(op, f"{name} must hold +0.0 above its lowest entry")
 
 
 def check_step(op: str, params, grads, states, masters, steps, *, master_mode: int, lr_tensor,
@@ -240,10 +244,10 @@ def adam8bit_operands(op, params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax
     check_step(op, params, grads, (), masters, steps,
                codes=[("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)],
                absmaxs=[("absmax1s", absmax1s), ("absmax2s", absmax2s)],
-               qmaps=[("qmap1", qmap1), ("qmap2", qmap2)], block_size=block_size, bits=bits,
+               qmaps=[("qmap1 (signed map)", qmap1), ("qmap2 (unsigned map)", qmap2)], block_size=block_size, bits=bits,
                **_scalars(values=values, **scalars))
     if values and params and bits == 8:
-        check_signed_map(op, "qmap1", qmap1)
+        check_signed_map(op, "qmap1 (signed map)", qmap1)
 
 
 def one_state_operands(op, state, params, grads, codes, absmaxs, masters, steps, qmap, *,
@@ -252,10 +256,10 @@ def one_state_operands(op, state, params, grads, codes, absmaxs, masters, steps,
     block_size, ...)`` (sgd8bit_step_, lion8bit_step_ and their 4-bit ops): uint8 codes named
     ``state``, fp32 absmax, an fp32 map (8-bit: signed, check_signed_map)."""
     check_step(op, params, grads, (), masters, steps, codes=[(state, codes)],
-               absmaxs=[("absmaxs", absmaxs)], qmaps=[("qmap", qmap)], block_size=block_size,
+               absmaxs=[("absmaxs", absmaxs)], qmaps=[("qmap (signed map)", qmap)], block_size=block_size,
                bits=bits, **_scalars(values=values, **scalars))
     if values and params and bits == 8:
-        check_signed_map(op, "qmap", qmap)
+        check_signed_map(op, "qmap (signed map)", qmap)
 
 
 def check_quantized_momentum(op: str, momentum) -> None:

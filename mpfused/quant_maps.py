@@ -92,12 +92,19 @@ _THRESHOLDS: dict[tuple, tuple] = {}
 def thresholds(qmap: torch.Tensor) -> torch.Tensor:
     """Decision thresholds of a sorted float32 map, cached per map tensor (and its version).
     See ``compute_thresholds``."""
-    return _info(qmap)[1]
+    thr = _info(qmap)[1]
+    return thr if thr is not None else compute_thresholds(qmap)  # (unsorted: raises)
 
 
 def zero_code(qmap: torch.Tensor) -> int:
     """Index of the +0.0 entry of a map (-1 if none), cached like ``thresholds``."""
     return _info(qmap)[2]
+
+
+def is_sorted(qmap: torch.Tensor) -> bool:
+    """Whether a map's entries are strictly increasing (the codecs' rule), cached like
+    ``thresholds``."""
+    return _info(qmap)[3]
 
 
 def _info(qmap: torch.Tensor):
@@ -106,8 +113,10 @@ def _info(qmap: torch.Tensor):
     if hit is None:
         q = qmap.detach().cpu()
         zero = torch.nonzero((q == 0) & ~torch.signbit(q))
-        # holds qmap, so its id is not reused while cached
-        hit = _THRESHOLDS[key] = (qmap, compute_thresholds(qmap), int(zero[0]) if len(zero) else -1)
+        ok = bool((q[1:] > q[:-1]).all())
+        # holds qmap, so its id is not reused while cached; an unsorted map has no thresholds
+        hit = _THRESHOLDS[key] = (qmap, compute_thresholds(qmap) if ok else None,
+                                  int(zero[0]) if len(zero) else -1, ok)
     return hit
 
 

@@ -363,3 +363,37 @@ def test_bound_op_refuses_missing_or_unknown_keywords():
         bound(args[1], **partial)
     with pytest.raises(TypeError, match="unexpected keyword argument.*betas"):
         bound(args[1], **kwargs, betas=(0.9, 0.99))
+
+
+@pytest.mark.parametrize("op", ["adam8bit_step_", "adam4bit_step_", "sgd8bit_step_",
+                                "sgd4bit_step_", "lion8bit_step_", "lion4bit_step_"])
+def test_unsorted_map_refused_on_every_backend(op):
+    """A map must be strictly increasing (the codecs' thresholds are midpoints of neighbours):
+    every kernel backend refuses two swapped entries with the same message (the native binding's
+    has no op name: operand_checks.check_qmap / quant8_args.h check_qmap_values) and writes
+    nothing; a value rule, so the fake kernel leaves it alone."""
+    names = [a.name for a in _schema(op).arguments]
+    index = next(i for i, n in enumerate(names) if n.startswith("qmap"))
+    backends = [b for b in OPS[op].available("cpu") if b != "reference"]
+    assert backends, "no kernel backend on the CPU"
+    messages = {}
+    for backend in backends:
+        args, kwargs, outputs = inputs(op, "bf16", "fp32-master",
+                                       torch.Generator().manual_seed(0))
+        q = args[index].clone()
+        q[[1, 2]] = q[[2, 1]]
+        args[index] = q
+        if backend == backends[0]:
+            with FakeTensorMode() as fm:
+                getattr(torch.ops.mpfused, op).default(*_fake(fm, args), **_fake(fm, kwargs))
+        before = _bits(outputs)
+        with pytest.raises(RuntimeError, match=rf"mpfused: ({op}: )?{names[index]} \(signed "
+                                               r"map\) must be strictly increasing \(sorted\)"
+                           ) as error:
+            OPS[op](*args, **kwargs, backend=backend)
+        messages[backend] = str(error.value).splitlines()[0].replace(f"{op}: ", "")
+        assert all(torch.equal(a, b) for a, b in zip(_bits(outputs), before)), (backend,
+                                                                                "changed")
+    if "triton" in OPS[op].available("cpu"):
+        assert "triton" in messages
+    assert len(set(messages.values())) == 1, messages
