@@ -271,7 +271,8 @@ def drive_64bit_sizes():
     blocks = (n + 255) // 256
     with mock.patch.object(adam8bit, "thresholds", lambda qmap: big(size=255)), \
             mock.patch.object(adam8bit, "zero_code", lambda qmap: 127), \
-            mock.patch.object(operand_checks, "zero_code", lambda qmap: 127):
+            mock.patch.object(operand_checks, "zero_code", lambda qmap: 127), \
+            mock.patch.object(operand_checks, "is_sorted", lambda qmap: True):
         adam8bit.adam8bit_step_([big(bf16)], [big(bf16)], [big(torch.uint8)], [big(torch.uint8)],
                                 [big(size=blocks)], [big(size=blocks)], [big()], [one()],
                                 big(size=256), big(size=256), block_size=256, lr=1e-3,
@@ -280,7 +281,8 @@ def drive_64bit_sizes():
                                 grad_scale=one(), found_inf=None, norm_sq=one(), max_grad_norm=1.0)
     with mock.patch.object(_quant8, "thresholds", lambda qmap: big(size=255)), \
             mock.patch.object(_quant8, "map_zero_code", lambda qmap: 127), \
-            mock.patch.object(operand_checks, "zero_code", lambda qmap: 127):
+            mock.patch.object(operand_checks, "zero_code", lambda qmap: 127), \
+            mock.patch.object(operand_checks, "is_sorted", lambda qmap: True):
         from mpfused.triton_kernels.lion8bit import lion8bit_step_
         from mpfused.triton_kernels.sgd8bit import sgd8bit_step_
         sgd8bit_step_([big(bf16)], [big(bf16)], [big(torch.uint8)], [big(size=blocks)], [big()],
