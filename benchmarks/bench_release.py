@@ -26,6 +26,7 @@ from benchmarks.common import machine, print_table, round_order, write_results
 from mpfused.bench.data import VOCAB_SIZE, batch_offsets, load_stdlib_corpus, make_batch
 from mpfused.bench.model import CharGPT, GPTConfig
 from mpfused.bench.presets import SIZE_PRESETS
+from mpfused.bench import recipes
 from mpfused.bench.recipes import RECIPES, RELEASE_BUCKET_BYTES, Hyperparameters
 
 PAIRS = [("mpfused", "mpfused-release"),
@@ -90,7 +91,11 @@ def main(argv=None):
     ap.add_argument("--blocks", type=int, default=4, help="report the ratio per block of rounds")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--bucket-kib", type=int, default=RELEASE_BUCKET_BYTES >> 10,
+                    help="release bucket size (default: the main job's recipes'; "
+                         "step_in_backward's own default is 4096)")
     args = ap.parse_args(argv)
+    recipes.RELEASE_BUCKET_BYTES = args.bucket_kib << 10  # read by the release recipes' builds
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = DTYPES[args.dtype]
@@ -113,11 +118,14 @@ def main(argv=None):
                         ratio_per_block=[round(b, 3) for b in blocks], same_params=same)
     print(f"{machine()['cpu']}, {torch.get_num_threads()} threads, {args.size} preset "
           f"({n_params / 1e6:.2f}M params), {args.dtype}, release bucket "
-          f"{RELEASE_BUCKET_BYTES >> 10} KiB; load average {load}")
+          f"{args.bucket_kib} KiB; load average {load}")
     print_table(rows, ["recipe", "median_ms", "q1_ms", "q3_ms", "ratio_median",
                        "ratio_per_block", "same_params"])
-    path = write_results(f"release-step-{torch.get_num_threads()}t", "cpu", rows, extra={
-        "size": args.size, "dtype": args.dtype, "n_params": n_params, "warmup": args.warmup,
+    tag = "" if args.bucket_kib == RELEASE_BUCKET_BYTES >> 10 else f"-{args.bucket_kib}k"
+    if args.size != "small":
+        tag += f"-{args.size}"
+    path = write_results(f"release-step-{torch.get_num_threads()}t{tag}", "cpu", rows, extra={
+        "size": args.size, "bucket_kib": args.bucket_kib, "dtype": args.dtype, "n_params": n_params, "warmup": args.warmup,
         "load_average_1_5_15min": load,
         "note": "whole training steps, round-robin in one process; ratio = release / ordinary "
                 "per round"})
