@@ -16,6 +16,11 @@ fc1 and fc3 step, the scale backs off. The ordinary run's counterpart of that st
 reference, public API only): fc2's grads are dropped (set to None: the ordinary step leaves those
 params, state and step counts untouched) and a second, dummy optimizer whose one grad is NaN is
 stepped by the same scaler, so ``update()`` backs off.
+
+clip='previous' runs (CLIP_CONFIGS: FSDP2 and HSDP 2x1) train ClipNet, whose FSDP groups are
+the buckets the single-process release makes with CLIP_BUCKET_BYTES; the test compares them with
+that single-process run (tests/test_release_fsdp.py computes it in the pytest process: release
+without ddp=/fsdp= is refused on several ranks) and the ranks with each other; the same NaN rule.
 """
 from __future__ import annotations
 
@@ -44,8 +49,43 @@ CONFIGS = {
     "hsdp_2x1": ((2, 1), "float32", "AdamW", {}),
 }
 ACCUM = {"fp32": "accumulate", "bf16_remainder": "no_sync"}  # config: how micro-batches accumulate
-CKPT = ["bf16_remainder", "adamw8bit"]
+# clip='previous' (ClipNet, fp32, one param group, max_grad_norm=MAX_NORM): name -> (mesh, opt)
+CLIP_CONFIGS = {"clip_fsdp": ((2,), "AdamW"), "clip_hsdp_2x1": ((2, 1), "SGD")}
+MAX_NORM = 0.3  # the step's grad norm is 0.4-0.9 here: every bucket clips, by varying amounts
+CKPT = ["bf16_remainder", "adamw8bit", "clip_fsdp"]
 BUCKET_OF_NAN = ("fc2.weight", "fc2.bias")
+
+
+class ClipNet(torch.nn.Module):
+    """The clip='previous' runs' model: three layers of 119, 120 and 112 elements (all sharded
+    unevenly over 2 ranks: 4 + 3, 8 + 7, 4 + 3 rows), so that the single-process release with
+    CLIP_BUCKET_BYTES (one param group) makes the same buckets as FSDP2's groups: fc3, fc2, fc1
+    (each layer fits, no layer plus the next one's bias does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 7)
+        self.fc2 = torch.nn.Linear(7, 15)
+        self.fc3 = torch.nn.Linear(15, 7)
+
+    def forward(self, x):
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+CLIP_BUCKET_BYTES = 120 * 4
+
+
+def make_clip_model(seed: int = 0) -> ClipNet:
+    torch.manual_seed(seed)
+    return ClipNet()
+
+
+def make_clip_optim(params, opt: str):
+    import mpfused
+
+    if opt == "SGD":
+        return mpfused.SGD(params, lr=1e-2, momentum=0.9, weight_decay=0.1, max_grad_norm=MAX_NORM)
+    return mpfused.AdamW(params, lr=1e-2, weight_decay=0.1, max_grad_norm=MAX_NORM)
 
 
 def _data(step, rank, dtype, micro=0):
@@ -81,10 +121,16 @@ class Run:
     """One FSDP2 training run of a config on this rank: ordinary step or release."""
 
     def __init__(self, name, rank, release: bool, seed: int = 0):
-        mesh, dtype, opt_name, kw = CONFIGS[name]
+        clip = name in CLIP_CONFIGS
+        if clip:
+            (mesh, opt_name), dtype = CLIP_CONFIGS[name], "float32"
+            self.model = _wrap(make_clip_model(seed), "fsdp", mesh)
+            self.opt = make_clip_optim(self.model.parameters(), opt_name)
+        else:
+            mesh, dtype, opt_name, kw = CONFIGS[name]
+            self.model = _wrap(make_model(dtype, seed), "fsdp", mesh)
+            self.opt = make_optim(self.model, opt_name, kw)
         self.rank, self.dtype, self.release = rank, dtype, release
-        self.model = _wrap(make_model(dtype, seed), "fsdp", mesh)
-        self.opt = make_optim(self.model, opt_name, kw)
         self.scaler = make_scaler()
         self.inject = False
         self.model.fc2.weight.register_post_accumulate_grad_hook(self._inject)
@@ -92,7 +138,8 @@ class Run:
         if release:
             import mpfused
 
-            self.handle = mpfused.step_in_backward(self.opt, scaler=self.scaler, fsdp=self.model)
+            self.handle = mpfused.step_in_backward(self.opt, scaler=self.scaler, fsdp=self.model,
+                                                   clip="previous" if clip else None)
 
     def _inject(self, p):
         if self.inject and self.rank == 1:
@@ -129,8 +176,11 @@ class Run:
         return skipped
 
     def snapshot(self):
-        return dict(params=local_params(self.model), state=local_state(self.model, self.opt),
-                    scale=self.scaler.get_scale())
+        out = dict(params=local_params(self.model), state=local_state(self.model, self.opt),
+                   scale=self.scaler.get_scale())
+        if self.handle is not None and self.handle.clip:
+            out["clip_sq"] = self.handle.state_dict()["clip_sq_per_param"].clone()
+        return out
 
 
 class _null:
@@ -165,9 +215,26 @@ def _accumulation(name, rank):
     return out
 
 
+def _clip_run(name, rank):
+    """clip='previous' release, STEPS steps, NaN on rank 1's fc2 shard at NAN_STEP: per step the
+    full params, the per-param sums carried (release.state_dict()) and the skipped count; the
+    final local snapshot (HSDP: the replicas must agree bit for bit)."""
+    from tests.distributed_model import full
+
+    run = Run(name, rank, release=True)
+    traj = []
+    for step in range(STEPS):
+        skipped = run.step(step, nan=step == NAN_STEP)
+        traj.append(dict(params={n: full(p) for n, p in run.model.named_parameters()},
+                         clip_sq=run.handle.state_dict()["clip_sq_per_param"].clone(),
+                         skipped=skipped, scale=run.scaler.get_scale()))
+    return dict(traj=traj, final=run.snapshot())
+
+
 def _checkpoint(name, rank, ckpt_dir):
     """Release run of CKPT_STEPS steps with a DCP save after CKPT_AT; a fresh model, optimizer,
-    scaler and release (seed 123) load it and train the rest."""
+    scaler and release (seed 123) load it and train the rest. With clip='previous' the release
+    handle (Stateful: the previous step's global per-param sums) is saved and loaded too."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -175,13 +242,17 @@ def _checkpoint(name, rank, ckpt_dir):
     for step in range(CKPT_STEPS):
         if step == CKPT_AT:
             msd, osd = get_state_dict(run.model, run.opt)
-            dcp.save({"model": msd, "optim": osd, "scaler": run.scaler.state_dict()},
-                     checkpoint_id=ckpt_dir)
+            sd = {"model": msd, "optim": osd, "scaler": run.scaler.state_dict()}
+            if run.handle.clip:
+                sd["release"] = run.handle
+            dcp.save(sd, checkpoint_id=ckpt_dir)
         run.step(step)
     out = {"uninterrupted": run.snapshot()}
     run2 = Run(name, rank, release=True, seed=123)
     msd, osd = get_state_dict(run2.model, run2.opt)  # (makes the state: an ordinary step, lr 0)
     sd = {"model": msd, "optim": osd, "scaler": run2.scaler.state_dict()}
+    if run2.handle.clip:
+        sd["release"] = run2.handle
     dcp.load(sd, checkpoint_id=ckpt_dir)
     set_state_dict(run2.model, run2.opt, model_state_dict=sd["model"],
                    optim_state_dict=sd["optim"])
@@ -206,8 +277,6 @@ def _refusals(rank):
             out[key] = (type(e).__name__, str(e))
 
     model = _wrap(make_model("float32"), "fsdp", (2,))
-    attempt("clip", lambda: mpfused.step_in_backward(
-        mpfused.AdamW(model.parameters(), max_grad_norm=1.0), clip="previous", fsdp=model))
     attempt("no_fsdp", lambda: mpfused.step_in_backward(mpfused.AdamW(model.parameters())))
     extra = torch.nn.Parameter(torch.zeros(3))
     attempt("foreign_param", lambda: mpfused.step_in_backward(
@@ -224,6 +293,7 @@ def _worker_main(launch, rank, world, out_dir):
     join_group(rank, world, out_dir)
     jobs = {("equal", n): functools.partial(_equal_runs, n, rank) for n in CONFIGS}
     jobs.update({("accum", n): functools.partial(_accumulation, n, rank) for n in ACCUM})
+    jobs.update({("clip", n): functools.partial(_clip_run, n, rank) for n in CLIP_CONFIGS})
     jobs.update({("ckpt", n): functools.partial(_checkpoint, n, rank,
                                                 os.path.join(out_dir, "ckpt_" + n)) for n in CKPT})
     jobs[("refusals", "")] = functools.partial(_refusals, rank)

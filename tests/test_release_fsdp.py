@@ -4,15 +4,20 @@ trajectory), for fp32 AdamW, bf16 AdamW with remainder / fp32 masters, AdamW8bit
 stochastic rounding and HSDP; a NaN in one rank's shard skips that FSDP bucket on every rank
 (exactly the reference's step without that bucket's grads) and backs the scale off; accumulation
 over 2 micro-batches (``release.accumulate()`` and FSDP2's ``set_requires_gradient_sync``); a DCP
-resume mid-run equal to the uninterrupted run. One launch: tests/distributed_release_fsdp_runs.py
-(whose docstring states the NaN rule's reference)."""
+resume mid-run equal to the uninterrupted run; clip='previous' (FSDP2 and HSDP) against the
+single-process release on the full model, the ranks bit-identical to each other. One launch:
+tests/distributed_release_fsdp_runs.py (whose docstring states the NaN rule's reference)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tests.distributed_release_fsdp_runs import (ACCUM, BUCKET_OF_NAN, CKPT, CONFIGS, NAN_STEP,
-                                                 STEPS, results)
+from tests.distributed_release_fsdp_runs import (ACCUM, BUCKET_OF_NAN, CKPT, CLIP_BUCKET_BYTES,
+                                                 CLIP_CONFIGS, CONFIGS, MAX_NORM, NAN_STEP,
+                                                 STEPS, _data, make_clip_model, make_clip_optim,
+                                                 results)
+from tests.distributed_model import loss_fn, make_scaler
+from tests.tolerances import RELEASE_FSDP_CLIP_TOL
 
 
 def _results(key):
@@ -78,12 +83,94 @@ def test_release_dcp_resume(name):
     get_state_dict makes the state with an ordinary step), continues bit-identically."""
     for rank, r in enumerate(_results(("ckpt", name))):
         _assert_same_snapshot(r["resumed"], r["uninterrupted"], (rank, name))
+        if name in CLIP_CONFIGS:  # clip='previous': the carried global sums, too
+            assert torch.equal(r["resumed"]["clip_sq"], r["uninterrupted"]["clip_sq"]), rank
+
+
+def _clip_reference(opt_name):
+    """The single-process release with clip='previous' on the full ClipNet, fed the mean of the
+    two ranks' losses (FSDP2 averages their grads), the same NaN at NAN_STEP in fc2.weight: its
+    buckets are FSDP2's groups (fc3, fc2, fc1), so it estimates every bucket's norm as FSDP2's
+    release must. Per step: params, the carried per-param sums, skipped, scale."""
+    import mpfused
+
+    model = make_clip_model(0)
+    opt = make_clip_optim(model.parameters(), opt_name)
+    scaler = make_scaler()
+    nan = [False]
+
+    def inject(p):
+        if nan[0]:
+            p.grad[0, 0] = float("nan")
+    model.fc2.weight.register_post_accumulate_grad_hook(inject)  # (fires before release's)
+    release = mpfused.step_in_backward(opt, scaler=scaler, clip="previous",
+                                       bucket_bytes=CLIP_BUCKET_BYTES)
+    assert [c.order for c in release._chunks] == [(4, 5), (2, 3), (0, 1)]  # = FSDP2's groups
+    traj = []
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        losses = [loss_fn(model, *_data(step, r, "float32")) for r in range(2)]
+        nan[0] = step == NAN_STEP
+        scaler.scale((losses[0] + losses[1]) / 2).backward()
+        nan[0] = False
+        skipped = int(release.skipped)
+        scaler.step(opt)
+        scaler.update()
+        traj.append(dict(params={n: p.detach().clone() for n, p in model.named_parameters()},
+                         clip_sq=release.state_dict()["clip_sq_per_param"].clone(),
+                         skipped=skipped, scale=scaler.get_scale()))
+    return traj
+
+
+def _max_rel(got, want):
+    diff = (got.double() - want.double()).abs()
+    return float((diff / want.double().abs().clamp(min=1e-3)).max())
+
+
+@pytest.mark.parametrize("name", list(CLIP_CONFIGS))
+def test_release_clip_previous(name):
+    """clip='previous' under FSDP2 (HSDP: the replicate dim is not summed): (a) each step's
+    params and carried per-param sums equal the single-process release's (within
+    RELEASE_FSDP_CLIP_TOL: the grads and the sums of squares differ from it only in the order
+    of summation; HSDP 2x1: bit for bit); (b) the ranks end bit-identical (the sums; HSDP
+    replicas: params and state); (c) the NaN in rank 1's fc2 shard skips fc2 on every rank and counts zero."""
+    runs = _results(("clip", name))
+    ref = _clip_reference(CLIP_CONFIGS[name][1])
+    # HSDP 2x1 (shard dim of size 1): every rank sums its full grads in the single process's
+    # order, and the replicate all-reduce's average is autograd's grad of the averaged loss bit
+    # for bit (a power-of-2 factor, 1 intra-op thread): exact there.
+    tol = dict(rtol=0, atol=0) if CLIP_CONFIGS[name][0][-1] == 1 else RELEASE_FSDP_CLIP_TOL
+    worst = {"params": 0.0, "clip_sq": 0.0}
+    for rank, r in enumerate(runs):
+        for step, (got, want) in enumerate(zip(r["traj"], ref)):
+            where = (rank, name, step)
+            assert got["skipped"] == want["skipped"] == int(step == NAN_STEP), where
+            assert got["scale"] == want["scale"], where
+            torch.testing.assert_close(got["clip_sq"], want["clip_sq"], equal_nan=False, **tol)
+            worst["clip_sq"] = max(worst["clip_sq"], _max_rel(got["clip_sq"], want["clip_sq"]))
+            for k, v in want["params"].items():
+                torch.testing.assert_close(got["params"][k], v, equal_nan=False, **tol,
+                                           msg=lambda m, k=k: f"{where} {k}: {m}")
+                worst["params"] = max(worst["params"], _max_rel(got["params"][k], v))
+        nan_sq = r["traj"][NAN_STEP]["clip_sq"]
+        assert (nan_sq[2:4] == 0).all() and (nan_sq[[0, 1, 4, 5]] > 0).all(), (rank, nan_sq)
+        before, after = r["traj"][NAN_STEP - 1]["params"], r["traj"][NAN_STEP]["params"]
+        for k in before:
+            assert torch.equal(after[k], before[k]) == (k in BUCKET_OF_NAN), (rank, k)
+        assert float(r["traj"][-1]["clip_sq"].sum()) > MAX_NORM ** 2  # it clips: it matters
+    print(f"{name}: max relative deviation from the single process {worst}")
+    a, b = (r["final"] for r in runs)
+    assert torch.equal(a["clip_sq"], b["clip_sq"])
+    for step in range(STEPS):
+        assert torch.equal(runs[0]["traj"][step]["clip_sq"], runs[1]["traj"][step]["clip_sq"])
+        for k, v in runs[0]["traj"][step]["params"].items():
+            assert torch.equal(runs[1]["traj"][step]["params"][k], v), (step, k)
+    if len(CLIP_CONFIGS[name][0]) == 2:  # HSDP replicas: the same local params and state
+        _assert_same_snapshot(b, a, name)
 
 
 def test_release_fsdp_refusals():
     for r in _results(("refusals", "")):
-        kind, msg = r["clip"]
-        assert kind == "NotImplementedError" and "clip='previous'" in msg and "FSDP2" in msg
         kind, msg = r["no_fsdp"]
         assert kind == "NotImplementedError" and "fsdp=" in msg
         kind, msg = r["foreign_param"]

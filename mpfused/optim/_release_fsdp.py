@@ -22,8 +22,21 @@ flag is MAX-all-reduced over every dim of its params' mesh (``async_op``; on NCC
 orders the stream, no host sync) before the update, whose kernels take the device flag: every
 rank skips the same buckets, so step counters and state stay identical across ranks, and the
 backward's flag handed to ``GradScaler.step`` is the same everywhere (the scale backs off
-everywhere). ``clip="previous"`` is refused under FSDP2 (its per-bucket norm would have to be
-SUM-reduced over the shard dims): see release.py.
+everywhere).
+
+``clip="previous"``: the same check pass gives each local shard's sum of squares (of the
+unscaled grad); that small vector (one float32 per param of the bucket) is SUM-all-reduced,
+right after the flag's MAX reduction and as asynchronously, over the mesh dims whose placement is
+not Replicate (FSDP2's shard dim; under HSDP not the replicate dim, whose ranks hold copies of
+the same shard): the sums of squares of the full, unsharded grads, as ``clip_grad_norm_`` and the
+ordinary step's ``max_grad_norm`` compute them. ``_release_clip.PreviousNormClip.norm_sq_for``
+then gives the bucket's norm estimate, one for the FSDP group across the optimizer's param
+groups, from these global sums (a skipped bucket counts zero), so every rank clips every bucket
+with the same norm and carries the same per-param sums into the next step and into
+``release.state_dict()`` (the same on every rank: DCP saves it once). The sums differ from a
+single process's only in the order of summation (shard by shard).
+
+Not yet run on a GPU (tested on gloo ranks on CPU).
 """
 from __future__ import annotations
 
@@ -31,18 +44,21 @@ from collections import defaultdict
 
 import torch
 
-from mpfused.distributed import all_reduce_, found_inf_groups, local
+from mpfused.distributed import _PARTIAL, all_reduce_, found_inf_groups, local, shard_groups
 from mpfused.ops import amp as amp_ops
 
 
 class _FSDPBucket:
     """One FSDP param group's params held by the optimizer: ``members`` its (group index, index)
-    keys, sorted; ``groups`` the process groups its flag is MAX-reduced over."""
-    __slots__ = ("members", "ready", "groups")
+    keys, sorted; ``groups`` the process groups its flag is MAX-reduced over; ``sum_groups``
+    (clip='previous') those its per-param sums of squares are SUM-reduced over; ``clip_ids``
+    the flat param positions of each ready set (cached)."""
+    __slots__ = ("members", "ready", "groups", "sum_groups", "clip_ids")
 
-    def __init__(self, members: tuple, groups: tuple):
-        self.members, self.groups = members, groups
+    def __init__(self, members: tuple, groups: tuple, sum_groups: tuple = ()):
+        self.members, self.groups, self.sum_groups = members, groups, sum_groups
         self.ready: set = set()
+        self.clip_ids: dict = {}
 
 
 def fsdp_param_groups(model) -> list:
@@ -95,7 +111,8 @@ class FSDPRelease:
             if not members:
                 continue
             bucket = _FSDPBucket(tuple(sorted(k for k, _ in members)),
-                                 tuple(found_inf_groups([p for _, p in members])))
+                                 tuple(found_inf_groups([p for _, p in members])),
+                                 self._norm_groups(members) if self._clip is not None else ())
             self._fsdp_buckets.append(bucket)
             for key, p in members:
                 self._fsdp_bucket_of[id(p)] = (bucket, key)
@@ -111,6 +128,17 @@ class FSDPRelease:
                 + (" ..." if len(missing) > 4 else ""))
         self._handles.extend(p.register_post_accumulate_grad_hook(self._on_fsdp_grad)
                              for p in hooked)
+
+    @staticmethod
+    def _norm_groups(members) -> tuple:
+        """The groups a bucket's per-param sums of squares are SUM-reduced over: its params' mesh
+        dims that are not Replicate (the same for every param of an FSDP group)."""
+        sets = {shard_groups(p) for _, p in members}
+        if len(sets) != 1 or _PARTIAL in next(iter(sets)):
+            raise NotImplementedError(
+                "step_in_backward(fsdp=..., clip='previous'): the params of one FSDP param "
+                "group must share their sharded mesh dims, with no Partial placement")
+        return next(iter(sets))
 
     def _fsdp_add_group(self) -> None:
         """A group added after attaching: the buckets are remade from FSDP2's groups."""
@@ -144,33 +172,79 @@ class FSDPRelease:
                     parts[gi].append((i, local(p.grad)))
             scale, inv, found, total = self._flags_on(local(params[0]).device)
             found.zero_()
-            grads = [g for items in parts.values() for _, g in items if g.numel()]
-            if grads:
-                amp_ops.check_grads(grads, found, inv, backend=self.optimizer._backend)
-            finish = _start_max_reduce(found, bucket.groups)
+            grads = [g for items in parts.values() for _, g in items]
+            sq = self._check_fsdp(grads, found, inv)
+            finish = _start_reduce(found, bucket.groups, "max")
+            if sq is not None:  # clip='previous': the global per-param sums of squares
+                finish = _then(finish, _start_reduce(sq, bucket.sum_groups, "sum"))
             updates = [(gi, tuple(i for i, _ in items), [g for _, g in items])
                        for gi, items in parts.items()]
-            for gi, idx, gs in updates:  # plan (cached) while the flag is in flight
+            for gi, idx, gs in updates:  # plan (cached) while the reductions are in flight
                 self._entry(gi, idx, gs)
             finish()
             torch.maximum(total, found, out=total)
             self.skipped.add_((found > 0).to(self.skipped.device))
+            norm_sq = None
+            if sq is not None:  # one norm for the FSDP group, the same on every rank
+                norm_sq = self._clip.norm_sq_for(self._fsdp_clip_ids(bucket, updates, found),
+                                                 sq, found)
             for gi, idx, gs in updates:
-                self._update(gi, idx, gs, checked=True)
+                self._update(gi, idx, gs, checked=True, norm_sq=norm_sq)
         for p in params:
             p.grad = None
 
 
-def _start_max_reduce(flag: torch.Tensor, groups: tuple):
-    """Start the in-place MAX all-reduce of ``flag`` over ``groups`` (one after another: over
-    their product); returns the function that completes it. One group (FSDP): asynchronous, so
-    the caller's host work overlaps it; ``wait()`` on NCCL orders the current stream only."""
+    def _check_fsdp(self, grads: list, found: torch.Tensor, inv: torch.Tensor):
+        """The bucket's check of its local grads into ``found``; with clip='previous' also each
+        local grad's sum of squares (of grad * inv), returned (one per grad, zero for an empty
+        shard: every rank's vector has the same length)."""
+        backend = self.optimizer._backend
+        nonempty = [g for g in grads if g.numel()]
+        if self._clip is None:
+            if nonempty:
+                amp_ops.check_grads(nonempty, found, inv, backend=backend)
+            return None
+        sq = torch.zeros(len(grads), dtype=torch.float32, device=found.device)
+        if len(nonempty) == len(grads):
+            if grads:
+                amp_ops.check_grads(grads, found, inv, norm_sq_per_tensor=sq, backend=backend)
+        elif nonempty:
+            part = torch.zeros(len(nonempty), dtype=torch.float32, device=found.device)
+            amp_ops.check_grads(nonempty, found, inv, norm_sq_per_tensor=part, backend=backend)
+            at = [k for k, g in enumerate(grads) if g.numel()]
+            sq.index_copy_(0, torch.tensor(at, device=found.device), part)
+        return sq
+
+    def _fsdp_clip_ids(self, bucket: _FSDPBucket, updates: list, found: torch.Tensor):
+        """The flat positions of the updated params, in the order of their sums (cached)."""
+        key = tuple((gi, idx) for gi, idx, _ in updates)
+        ids = bucket.clip_ids.get(key)
+        if ids is None:
+            ids = bucket.clip_ids[key] = torch.tensor(
+                [self._group_base[gi] + i for gi, idx in key for i in idx], dtype=torch.long,
+                device=found.device)
+        return ids
+
+
+def _start_reduce(t: torch.Tensor, groups: tuple, op: str):
+    """Start the in-place all-reduce (``op`` "max" or "sum") of the small tensor ``t`` over
+    ``groups`` (one after another: over their product); returns the function that completes it.
+    One group (FSDP): asynchronous, so the caller's host work overlaps it; ``wait()`` on NCCL
+    orders the current stream only."""
     if not groups:
         return lambda: None
     import torch.distributed as dist
 
-    if any(dist.get_backend(g) == "nccl" for g in groups) and flag.device.type != "cuda":
-        return lambda: all_reduce_(flag, groups, "max")  # CPU-offloaded grads on NCCL: a copy
+    if any(dist.get_backend(g) == "nccl" for g in groups) and t.device.type != "cuda":
+        return lambda: all_reduce_(t, groups, op)  # CPU-offloaded grads on NCCL: a copy
+    red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
     for g in groups[:-1]:
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=g, async_op=True).wait()
-    return dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=groups[-1], async_op=True).wait
+        dist.all_reduce(t, op=red, group=g, async_op=True).wait()
+    return dist.all_reduce(t, op=red, group=groups[-1], async_op=True).wait
+
+
+def _then(first, second):
+    def both():
+        first()
+        second()
+    return both

@@ -18,13 +18,15 @@ class BucketUpdate:
     FSDP2) calls with a release bucket's ready params and grads."""
 
     def _update(self, group_index: int, ready: tuple, ready_grads: list,
-                checked: bool = False) -> None:
+                checked: bool = False, norm_sq=None) -> None:
         """Check and update the params ``group["params"][i] for i in ready`` with these grads:
         one decision for all of them (the release bucket is the unit that is skipped, however
         the planner splits it by dtype and state kind), one update launch per planner bucket.
         Without clipping the check is part of the first launch (``BoundOp.check_first``: one
         native call); with clip='previous' its per-grad sums of squares come first. ``checked``:
-        the caller has checked and recorded the bucket's flag (FSDP2: all-reduced first)."""
+        the caller has checked and recorded the bucket's flag (FSDP2: all-reduced first);
+        ``norm_sq``: then, with clip='previous', the squared norm it clips with (FSDP2: from the
+        global per-param sums, one norm for the release bucket across its param groups)."""
         entry = self._entry(group_index, ready, ready_grads)
         if not entry.parts:
             return
@@ -35,7 +37,9 @@ class BucketUpdate:
             parts = ((entry.parts[0][0], ready_grads),)
         else:
             parts = [(b, list(pick(ready_grads)[:-1])) for b, pick in entry.parts]
-        clip_sq, first = None, None
+        clip_sq, first = norm_sq, None
+        if checked and self._clip is not None and norm_sq is None:
+            raise RuntimeError("release: a checked bucket under clip='previous' needs its norm")
         if self._clip is None and not checked:
             first = parts[0][0].state.get("step_")
             if isinstance(first, BoundOp):

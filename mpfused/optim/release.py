@@ -45,7 +45,9 @@ Rules (README, "Gradient release"):
   Bit-identical to the ordinary FSDP2 step without non-finite grads. ``accumulate()`` keeps the
   sharded grads (FSDP2 still reduce-scatters each micro-batch; ``set_requires_gradient_sync(
   False)`` instead skips those, and then no hook fires until the synced backward).
-  ``clip="previous"`` is refused under FSDP2 (its norm would need a per-bucket all-reduce).
+  ``clip="previous"`` works there too: each bucket's per-param sums of squares are
+  SUM-all-reduced over the shard dims (not HSDP's replicate dim) right after the flag, so every
+  rank clips with the global norm estimate. FSDP2 release has never run on a GPU (gloo, CPU).
 * Several ranks without ``ddp=`` / ``fsdp=`` are refused (the hooks would fire before the
   gradient reduction).
 """
@@ -107,11 +109,6 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
             raise TypeError(f"ddp must be a DistributedDataParallel model, got {type(ddp)}")
         if ddp is not None and fsdp is not None:
             raise ValueError("step_in_backward: pass ddp= or fsdp=, not both")
-        if fsdp is not None and clip is not None:
-            raise NotImplementedError(
-                "step_in_backward(fsdp=...): clip='previous' is not supported under FSDP2 (each "
-                "bucket's norm would need an all-reduce over the mesh); drop max_grad_norm or use "
-                "the ordinary step")
         if (ddp is None and fsdp is None and torch.distributed.is_available()
                 and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
             raise NotImplementedError(
