@@ -5,13 +5,13 @@ Two callers. The fake (meta) kernels check list lengths, dtypes and devices with
 so a ``torch.compile`` / fake-mode call with a wrong operand fails at trace time with an error
 that names the op and the argument ("mpfused: adam_step_: exp_avgs[3] has dtype torch.float16,
 expected torch.float32 (exp_avgs[3] must be torch.float32 with params[3]'s 10 elements)"). The
-Triton launchers (and the 4-bit references' size rules) call the same functions with
+Triton launchers (and the block-wise references' run-time rules) call the same functions with
 ``values=True``, which adds what only real tensors show: sizes (numels, codes per block size),
-1-element scalars, contiguity, sparse layouts, the block size, the maps' length and the 8-bit
-signed map's +0 (check_signed_map). Outside tracing ``torch._check`` raises a plain
+1-element scalars, contiguity, sparse layouts, the block size, the maps' length and order and
+the 8-bit signed map's +0 (check_signed_map). Outside tracing ``torch._check`` raises a plain
 RuntimeError, so either way the error names the op, the argument and the rule, before anything
-is written. Cheap: one pass over each list; no tensor is read but the signed map, once per
-version (the cache the launchers' thresholds read it through anyway).
+is written. Cheap: one pass over each list; no tensor is read but the maps, once per version
+(the cache the launchers' thresholds read them through anyway).
 """
 from __future__ import annotations
 
@@ -244,8 +244,8 @@ def adam8bit_operands(op, params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax
     check_step(op, params, grads, (), masters, steps,
                codes=[("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)],
                absmaxs=[("absmax1s", absmax1s), ("absmax2s", absmax2s)],
-               qmaps=[("qmap1 (signed map)", qmap1), ("qmap2 (unsigned map)", qmap2)], block_size=block_size, bits=bits,
-               **_scalars(values=values, **scalars))
+               qmaps=[("qmap1 (signed map)", qmap1), ("qmap2 (unsigned map)", qmap2)],
+               block_size=block_size, bits=bits, **_scalars(values=values, **scalars))
     if values and params and bits == 8:
         check_signed_map(op, "qmap1 (signed map)", qmap1)
 
@@ -256,8 +256,8 @@ def one_state_operands(op, state, params, grads, codes, absmaxs, masters, steps,
     block_size, ...)`` (sgd8bit_step_, lion8bit_step_ and their 4-bit ops): uint8 codes named
     ``state``, fp32 absmax, an fp32 map (8-bit: signed, check_signed_map)."""
     check_step(op, params, grads, (), masters, steps, codes=[(state, codes)],
-               absmaxs=[("absmaxs", absmaxs)], qmaps=[("qmap (signed map)", qmap)], block_size=block_size,
-               bits=bits, **_scalars(values=values, **scalars))
+               absmaxs=[("absmaxs", absmaxs)], qmaps=[("qmap (signed map)", qmap)],
+               block_size=block_size, bits=bits, **_scalars(values=values, **scalars))
     if values and params and bits == 8:
         check_signed_map(op, "qmap (signed map)", qmap)
 

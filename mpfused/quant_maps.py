@@ -108,16 +108,26 @@ def is_sorted(qmap: torch.Tensor) -> bool:
 
 
 def _info(qmap: torch.Tensor):
+    """(qmap, thresholds or None, zero code, sorted), cached per (tensor, version, device).
+    The version counter sees in-place torch writes, not writes through ``.data``, NumPy or
+    DLPack aliases: replace a map rather than edit it that way. Not cached: a map that breaks
+    the sorted rule (a caller refuses it) and an inference tensor (no version counter)."""
+    if qmap.is_inference():
+        return _read(qmap)
     key = (id(qmap), qmap._version, str(qmap.device))
     hit = _THRESHOLDS.get(key)
     if hit is None:
-        q = qmap.detach().cpu()
-        zero = torch.nonzero((q == 0) & ~torch.signbit(q))
-        ok = bool((q[1:] > q[:-1]).all())
-        # holds qmap, so its id is not reused while cached; an unsorted map has no thresholds
-        hit = _THRESHOLDS[key] = (qmap, compute_thresholds(qmap) if ok else None,
-                                  int(zero[0]) if len(zero) else -1, ok)
+        hit = _read(qmap)
+        if hit[3]:  # holds qmap, so its id is not reused while cached
+            _THRESHOLDS[key] = hit
     return hit
+
+
+def _read(qmap: torch.Tensor):
+    q = qmap.detach().cpu()
+    zero = torch.nonzero((q == 0) & ~torch.signbit(q))
+    ok = bool((q[1:] > q[:-1]).all())
+    return (qmap, compute_thresholds(qmap) if ok else None, int(zero[0]) if len(zero) else -1, ok)
 
 
 def compute_thresholds(qmap: torch.Tensor) -> torch.Tensor:

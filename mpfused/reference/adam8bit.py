@@ -11,20 +11,22 @@ from __future__ import annotations
 
 import torch
 
-from mpfused.operand_checks import check_codes, check_qmap
+from mpfused.operand_checks import check_codes, check_qmap, check_signed_map
 from mpfused.quant4 import dequantize4_blockwise, quantize4_blockwise
 from mpfused.quant_maps import dequantize_blockwise, quantize_blockwise
 from mpfused.reference.adam import param_updates, write_master
 
 
 def check_sizes(op, params, codes, qmaps, bits):
-    """The 4-bit size rules a kernel indexes by (the ops' rules, mpfused/operand_checks.py):
-    16-entry maps, ceil(numel / 2) code bytes. ``codes``, ``qmaps``: (name, value) pairs."""
-    if bits != 4:
-        return
+    """The run-time rules the kernels state too (the ops' rules, mpfused/operand_checks.py):
+    code sizes, the maps' length and order, and an 8-bit signed map's +0.0 (the first map: Adam's
+    qmap1, SGD's / Lion's qmap), so the reference refuses what every kernel refuses, before it
+    writes. ``codes``, ``qmaps``: (name, value) pairs."""
     dev = params[0].device if params else qmaps[0][1].device
     for name, qmap in qmaps:
         check_qmap(op, name, qmap, dev, bits, values=True)
+    if bits == 8 and params:
+        check_signed_map(op, *qmaps[0])
     for name, lst in codes:
         check_codes(op, name, lst, params, dev, bits, values=True)
 
@@ -57,7 +59,7 @@ def adam8bit_step_(params, grads, exp_avgs, exp_avg_sqs, absmax1s, absmax2s, mas
                    _bits=8):
     check_sizes(f"adam{_bits}bit_step_", params,
                 (("exp_avgs", exp_avgs), ("exp_avg_sqs", exp_avg_sqs)),
-                (("qmap1", qmap1), ("qmap2", qmap2)), _bits)
+                (("qmap1 (signed map)", qmap1), ("qmap2 (unsigned map)", qmap2)), _bits)
     for i, p, t, stream, mode, master, w, g, lr in param_updates(
             params, grads, masters, steps, lr, lr_tensor, weight_decay, maximize, decoupled,
             master_mode, grad_scale, found_inf, norm_sq, max_grad_norm, param_ids, elem_offsets):

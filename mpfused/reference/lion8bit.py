@@ -15,8 +15,8 @@ def lion8bit_step_(params, grads, exp_avgs, absmaxs, masters, steps, qmap, *, bl
                    lr_tensor, beta1, beta2, weight_decay, maximize, master_mode, grad_scale=None,
                    found_inf=None, norm_sq=None, max_grad_norm=0.0, seed=0, param_ids=(),
                    elem_offsets=(), _bits=8):
-    check_sizes(f"lion{_bits}bit_step_", params, (("exp_avgs", exp_avgs),), (("qmap", qmap),),
-                _bits)
+    check_sizes(f"lion{_bits}bit_step_", params, (("exp_avgs", exp_avgs),),
+                (("qmap (signed map)", qmap),), _bits)
     # param_updates: unscale, clip, maximize, and w *= 1 - lr * wd (decoupled=True)
     for i, p, t, stream, mode, master, w, g, lr in param_updates(
             params, grads, masters, steps, lr, lr_tensor, weight_decay, maximize, True,

@@ -18,7 +18,8 @@ def sgd8bit_step_(params, grads, momentum_buffers, absmaxs, masters, steps, qmap
                   param_ids=(), elem_offsets=(), _bits=8):
     op = f"sgd{_bits}bit_step_"
     check_quantized_momentum(op, momentum)
-    check_sizes(op, params, (("momentum_buffers", momentum_buffers),), (("qmap", qmap),), _bits)
+    check_sizes(op, params, (("momentum_buffers", momentum_buffers),),
+                (("qmap (signed map)", qmap),), _bits)
     # param_updates: unscale, clip, maximize, and L2 decay into g (decoupled=False), as torch
     for i, p, t, stream, mode, master, w, g, lr in param_updates(
             params, grads, masters, steps, lr, lr_tensor, weight_decay, maximize, False,
