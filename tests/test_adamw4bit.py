@@ -245,8 +245,9 @@ def test_save_load_mid_run_continues_bit_identically(dtype, master):
 
 def test_float_written_over_one_moment_decodes_the_other_in_its_blocks():
     """A float written over one 4-bit moment (a reset of some state): the other, still codes, is
-    decoded in its own 128-element blocks (told by its absmax length; the hint where no group is
-    at hand is the width's default, quant_maps.DEFAULT_BLOCK_SIZE), then both re-quantized."""
+    decoded in its own 128-element blocks, then both re-quantized. A regression test: the absmax
+    length tells the block size here, so it also held when the no-group hint was 256 (the hint
+    only chooses among sizes that give one block, the same layout)."""
     params = _params(torch.float32)
     opt = mpfused.AdamW4bit(params)
     _grads(params, 0)

@@ -343,3 +343,31 @@ def test_checkpoint_without_its_block_size_loads_in_the_widths_blocks(cls):
     ob.step()
     for a, b in zip(pa, pb):
         assert torch.equal(a.detach().view(torch.uint8), b.detach().view(torch.uint8))
+
+
+@pytest.mark.parametrize("cls", ["AdamW8bit", "SGD8bit", "AdamW4bit", "Lion4bit"])
+def test_checkpoint_without_its_block_size_is_read_in_the_blocks_its_absmax_tells(cls):
+    """Saved with another block size and without it: the absmax length tells the size, so the
+    state loads into an optimizer of that block size, and one of the default size refuses it
+    naming the size the checkpoint needs (not the default it would otherwise assume)."""
+    from mpfused.quant_maps import DEFAULT_BLOCK_SIZE
+    klass = getattr(mpfused, cls)
+    block = DEFAULT_BLOCK_SIZE[klass._STATE_BITS] // 2
+    kw = dict(lr=0.01, momentum=0.9) if cls.startswith("SGD") else dict(lr=1e-3)
+    pa = _params()
+    oa = klass(pa, block_size=block, **kw)
+    _set_grads(torch.Generator().manual_seed(7), pa)
+    oa.step()
+    saved = oa.state_dict()
+    saved.pop("mpfused_8bit")
+    saved["param_groups"] = [{k: v for k, v in g.items() if k != "block_size"}
+                             for g in saved["param_groups"]]
+    ob = klass(_clone(pa), block_size=block, **kw)
+    ob.load_state_dict(copy.deepcopy(saved))
+    for a, b in zip(pa, ob.param_groups[0]["params"]):
+        for k, v in oa.state[a].items():
+            assert torch.equal(v, ob.state[b][k]), k
+    with pytest.raises(ValueError, match=rf"no block size saved; its absmax length tells\) "
+                                         rf"block_size={block}, this optimizer uses "
+                                         rf"block_size={2 * block}"):
+        klass(_clone(pa), **kw).load_state_dict(copy.deepcopy(saved))

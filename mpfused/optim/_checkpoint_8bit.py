@@ -186,6 +186,19 @@ def _check_saved_kinds(saved, quant, p, where) -> bool:
     return any(codes)
 
 
+def _told_block_size(saved, quant, p, default: int) -> int:
+    """The block size a saved absmax's length gives (``default`` where it gives none, or one
+    block: the same layout for every size)."""
+    absmax = saved.get(quant[0].absmax_key)
+    if not isinstance(absmax, torch.Tensor):
+        return default
+    numel = (p if is_dtensor(absmax) else _local(p)).numel()
+    try:
+        return _state_block_size(absmax.numel(), numel, default)
+    except RuntimeError:
+        return default
+
+
 def _check_saved_absmax(saved, quant, p, block, where) -> None:
     for q in quant:
         absmax = saved.get(q.absmax_key)
@@ -246,13 +259,14 @@ def _check_and_stash_8bit(optimizer, state_dict):
             saved = new_state[pid] = _saved_8bit(saved_state[pid], quant, where)
             if not _check_saved_kinds(saved, quant, p, where):
                 continue
-            # not ours (no format key, no block size): bitsandbytes' 256 for 8-bit state, the
-            # width's default (torchao's 128) for 4-bit: the format's blocks, DEFAULT_BLOCK_SIZE
+            # not ours (no format key, no block size): the size its absmax length tells, else
+            # the width's default (bitsandbytes' 256, torchao's 4-bit 128)
             block = (sg.get("block_size", group["block_size"]) if ours
-                     else DEFAULT_BLOCK_SIZE[quant[0].bits])
+                     else _told_block_size(saved, quant, p, DEFAULT_BLOCK_SIZE[quant[0].bits]))
             if block != group["block_size"]:
+                how = "saved with" if ours else "(no block size saved; its absmax length tells)"
                 raise ValueError(
-                    f"load_state_dict: {where}: its 8-bit state was saved with "
+                    f"load_state_dict: {where}: its 8-bit state was {how} "
                     f"block_size={block}, this optimizer uses block_size={group['block_size']}; "
                     "a block-wise state is only valid for the block size it was quantized with. "
                     f"Construct the optimizer with block_size={block}.")
