@@ -125,7 +125,8 @@ def main(argv=None):
     if args.size != "small":
         tag += f"-{args.size}"
     path = write_results(f"release-step-{torch.get_num_threads()}t{tag}", "cpu", rows, extra={
-        "size": args.size, "bucket_kib": args.bucket_kib, "dtype": args.dtype, "n_params": n_params, "warmup": args.warmup,
+        "size": args.size, "bucket_kib": args.bucket_kib, "dtype": args.dtype,
+        "n_params": n_params, "warmup": args.warmup,
         "load_average_1_5_15min": load,
         "note": "whole training steps, round-robin in one process; ratio = release / ordinary "
                 "per round"})
