@@ -105,7 +105,7 @@ def _clip_reference(opt_name):
     model.fc2.weight.register_post_accumulate_grad_hook(inject)  # (fires before release's)
     release = mpfused.step_in_backward(opt, scaler=scaler, clip="previous",
                                        bucket_bytes=CLIP_BUCKET_BYTES)
-    assert [c.order for c in release._chunks] == [(4, 5), (2, 3), (0, 1)]  # = FSDP2's groups
+    assert [c.order for c in release._chunks] == [(4, 5, 6), (2, 3), (0, 1)]  # = FSDP2's groups
     traj = []
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
@@ -132,8 +132,9 @@ def test_release_clip_previous(name):
     """clip='previous' under FSDP2 (HSDP: the replicate dim is not summed): (a) each step's
     params and carried per-param sums equal the single-process release's (within
     RELEASE_FSDP_CLIP_TOL: the grads and the sums of squares differ from it only in the order
-    of summation; HSDP 2x1: bit for bit); (b) the ranks end bit-identical (the sums; HSDP
-    replicas: params and state); (c) the NaN in rank 1's fc2 shard skips fc2 on every rank and counts zero."""
+    of summation; HSDP 2x1: bit for bit), rank 1's fc3.gain shard being empty under FSDP2;
+    (b) the ranks end bit-identical (the sums; HSDP replicas: params and state); (c) the NaN
+    in rank 1's fc2 shard skips fc2 on every rank and counts zero."""
     runs = _results(("clip", name))
     ref = _clip_reference(CLIP_CONFIGS[name][1])
     # HSDP 2x1 (shard dim of size 1): every rank sums its full grads in the single process's
@@ -141,6 +142,10 @@ def test_release_clip_previous(name):
     # for bit (a power-of-2 factor, 1 intra-op thread): exact there.
     tol = dict(rtol=0, atol=0) if CLIP_CONFIGS[name][0][-1] == 1 else RELEASE_FSDP_CLIP_TOL
     worst = {"params": 0.0, "clip_sq": 0.0}
+    # fc3.gain (1 row): rank 1's shard is empty under FSDP2 (2 shards), so its fc3 bucket
+    # sums its non-empty grads only and puts a zero for the empty one
+    assert [r["empty_shards"] for r in runs] == (
+        [[], []] if CLIP_CONFIGS[name][0][-1] == 1 else [[], ["fc3.gain"]])
     for rank, r in enumerate(runs):
         for step, (got, want) in enumerate(zip(r["traj"], ref)):
             where = (rank, name, step)
@@ -153,7 +158,7 @@ def test_release_clip_previous(name):
                                            msg=lambda m, k=k: f"{where} {k}: {m}")
                 worst["params"] = max(worst["params"], _max_rel(got["params"][k], v))
         nan_sq = r["traj"][NAN_STEP]["clip_sq"]
-        assert (nan_sq[2:4] == 0).all() and (nan_sq[[0, 1, 4, 5]] > 0).all(), (rank, nan_sq)
+        assert (nan_sq[2:4] == 0).all() and (nan_sq[[0, 1, 4, 5, 6]] > 0).all(), (rank, nan_sq)
         before, after = r["traj"][NAN_STEP - 1]["params"], r["traj"][NAN_STEP]["params"]
         for k in before:
             assert torch.equal(after[k], before[k]) == (k in BUCKET_OF_NAN), (rank, k)
