@@ -182,3 +182,65 @@ def test_release_fsdp_refusals():
         assert kind == "ValueError" and "param_groups[0]['params'][6]" in msg
         kind, msg = r["not_fsdp_module"]
         assert kind == "TypeError" and "fully_shard" in msg
+
+
+# ---- single-process unit tests (no launch) ------------------------------------------------------
+class _FakeWork:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait(self):
+        self.log.append(("wait", self.name))
+
+
+def test_fsdp_clip_sums_split_by_shard_groups(monkeypatch):
+    """Params of one FSDP group sharding different mesh dims (FSDP + TP: "dp" only, or "dp" and
+    "tp"; a plain param: none): each part of the per-param sums is SUM-reduced over its own
+    groups, every part started before the first completes, written back in place. Fake groups:
+    the fake all_reduce multiplies by the group's size (as equal shards on every rank would)."""
+    import torch.distributed as dist
+
+    from mpfused.optim import _release_fsdp as rf
+
+    size, log = {"dp": 2, "tp": 3}, []
+
+    def all_reduce(t, op=None, group=None, async_op=False):
+        assert op == dist.ReduceOp.SUM and async_op
+        log.append(("reduce", group, t.tolist()))
+        t.mul_(size[group])
+        return _FakeWork(log, group)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "get_backend", lambda g: "gloo")
+    keys = ((0, 0), (0, 1), (1, 0), (1, 1))
+    bucket = rf._FSDPBucket(keys, ("dp", "tp"),
+                            {keys[0]: ("dp",), keys[1]: ("dp", "tp"), keys[2]: ("dp",),
+                             keys[3]: ()})
+    assert rf.split_positions([("dp",), ("dp", "tp"), ("dp",), ()]) == [
+        (("dp",), [0, 2]), (("dp", "tp"), [1]), ((), [3])]
+    sq = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    split = rf._fsdp_split(bucket, keys, sq.device)
+    assert rf._fsdp_split(bucket, keys, sq.device) is split  # cached
+    finish = rf._start_sum_split(sq, split)
+    assert log == [("reduce", "dp", [1.0, 3.0]), ("reduce", "dp", [2.0]), ("wait", "dp"),
+                   ("reduce", "tp", [4.0])]  # every part started; none completed
+    assert sq.tolist() == [1.0, 2.0, 3.0, 4.0]
+    finish()
+    assert sq.tolist() == [2.0, 12.0, 6.0, 4.0]
+    assert log[4:] == [("wait", "dp"), ("wait", "tp")]
+    # one set of groups (plain FSDP): sq itself reduced, no split
+    log.clear()
+    sq = torch.tensor([1.0, 2.0])
+    rf._start_sum_split(sq, rf._fsdp_split(bucket, keys[::2], sq.device))()
+    assert sq.tolist() == [2.0, 4.0] and log == [("reduce", "dp", [1.0, 2.0]), ("wait", "dp")]
+
+
+def test_fsdp_clip_partial_refused(monkeypatch):
+    from mpfused.distributed import _PARTIAL
+    from mpfused.optim import _release_fsdp as rf
+
+    monkeypatch.setattr(rf, "shard_groups", lambda p: p)  # a fake param: its shard groups
+    ok = [((0, 0), ("dp",)), ((0, 1), ("dp", "tp"))]
+    assert rf.FSDPRelease._norm_groups(ok) == dict(ok)
+    with pytest.raises(NotImplementedError,
+                       match=r"param_groups\[1\]\['params'\]\[2\] has a Partial placement"):
+        rf.FSDPRelease._norm_groups(ok + [((1, 2), ("dp", _PARTIAL))])

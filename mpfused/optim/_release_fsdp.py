@@ -29,7 +29,12 @@ unscaled grad); that small vector (one float32 per param of the bucket) is SUM-a
 right after the flag's MAX reduction and as asynchronously, over the mesh dims whose placement is
 not Replicate (FSDP2's shard dim; under HSDP not the replicate dim, whose ranks hold copies of
 the same shard): the sums of squares of the full, unsharded grads, as ``clip_grad_norm_`` and the
-ordinary step's ``max_grad_norm`` compute them. ``_release_clip.PreviousNormClip.norm_sq_for``
+ordinary step's ``max_grad_norm`` compute them. Params of one FSDP group may shard different mesh
+dims (FSDP + TP: a norm weight Replicate on the TP dim, a matmul weight Shard on it): the vector
+is then split by its params' groups (``shard_groups``, the same on every rank) and each part
+SUM-reduced over its own, all started before any completes, in the same order on every rank. A
+Partial placement is refused (its local values are addends: their squares do not sum to the
+norm). ``_release_clip.PreviousNormClip.norm_sq_for``
 then gives the bucket's norm estimate, one for the FSDP group across the optimizer's param
 groups, from these global sums (a skipped bucket counts zero), so every rank clips every bucket
 with the same norm and carries the same per-param sums into the next step and into
@@ -51,14 +56,16 @@ from mpfused.ops import amp as amp_ops
 class _FSDPBucket:
     """One FSDP param group's params held by the optimizer: ``members`` its (group index, index)
     keys, sorted; ``groups`` the process groups its flag is MAX-reduced over; ``sum_groups``
-    (clip='previous') those its per-param sums of squares are SUM-reduced over; ``clip_ids``
-    the flat param positions of each ready set (cached)."""
-    __slots__ = ("members", "ready", "groups", "sum_groups", "clip_ids")
+    (clip='previous') {key: the groups its param's sum of squares is SUM-reduced over};
+    ``clip_ids`` the flat param positions and ``splits`` the split by ``sum_groups`` of each
+    ready set (cached)."""
+    __slots__ = ("members", "ready", "groups", "sum_groups", "clip_ids", "splits")
 
-    def __init__(self, members: tuple, groups: tuple, sum_groups: tuple = ()):
-        self.members, self.groups, self.sum_groups = members, groups, sum_groups
+    def __init__(self, members: tuple, groups: tuple, sum_groups: dict | None = None):
+        self.members, self.groups, self.sum_groups = members, groups, sum_groups or {}
         self.ready: set = set()
         self.clip_ids: dict = {}
+        self.splits: dict = {}
 
 
 def fsdp_param_groups(model) -> list:
@@ -130,15 +137,20 @@ class FSDPRelease:
                              for p in hooked)
 
     @staticmethod
-    def _norm_groups(members) -> tuple:
-        """The groups a bucket's per-param sums of squares are SUM-reduced over: its params' mesh
-        dims that are not Replicate (the same for every param of an FSDP group)."""
-        sets = {shard_groups(p) for _, p in members}
-        if len(sets) != 1 or _PARTIAL in next(iter(sets)):
-            raise NotImplementedError(
-                "step_in_backward(fsdp=..., clip='previous'): the params of one FSDP param "
-                "group must share their sharded mesh dims, with no Partial placement")
-        return next(iter(sets))
+    def _norm_groups(members) -> dict:
+        """{key: the groups its param's sum of squares is SUM-reduced over}: the param's mesh dims
+        that are not Replicate (they may differ within an FSDP group, e.g. under FSDP + TP)."""
+        out = {}
+        for (gi, i), p in members:
+            groups = shard_groups(p)
+            if _PARTIAL in groups:
+                raise NotImplementedError(
+                    f"step_in_backward(fsdp=..., clip='previous'): param_groups[{gi}]['params']"
+                    f"[{i}] has a Partial placement; clip='previous' needs Shard or Replicate "
+                    "placements (a Partial shard's values are addends of the param, their squares "
+                    "do not sum to its norm): redistribute it first")
+            out[(gi, i)] = groups
+        return out
 
     def _fsdp_add_group(self) -> None:
         """A group added after attaching: the buckets are remade from FSDP2's groups."""
@@ -176,7 +188,8 @@ class FSDPRelease:
             sq = self._check_fsdp(grads, found, inv)
             finish = _start_reduce(found, bucket.groups, "max")
             if sq is not None:  # clip='previous': the global per-param sums of squares
-                finish = _then(finish, _start_reduce(sq, bucket.sum_groups, "sum"))
+                keys = tuple((gi, i) for gi, items in parts.items() for i, _ in items)
+                finish = _then(finish, _start_sum_split(sq, _fsdp_split(bucket, keys, sq.device)))
             updates = [(gi, tuple(i for i, _ in items), [g for _, g in items])
                        for gi, items in parts.items()]
             for gi, idx, gs in updates:  # plan (cached) while the reductions are in flight
@@ -224,6 +237,46 @@ class FSDPRelease:
                 [self._group_base[gi] + i for gi, idx in key for i in idx], dtype=torch.long,
                 device=found.device)
         return ids
+
+
+def split_positions(groups_of: list) -> list:
+    """``[(groups, positions)]``: the positions of ``groups_of`` (one tuple of process groups per
+    item) grouped by their value, in first-seen order (the same on every rank when the items
+    are)."""
+    out: dict[tuple, list] = {}
+    for k, groups in enumerate(groups_of):
+        out.setdefault(groups, []).append(k)
+    return list(out.items())
+
+
+def _fsdp_split(bucket: _FSDPBucket, keys: tuple, device) -> list:
+    """The bucket's per-param sums (of the params ``keys``, in that order) split by their
+    groups: ``[(groups, positions tensor or None when all share them)]`` (cached)."""
+    split = bucket.splits.get(keys)
+    if split is None:
+        parts = split_positions([bucket.sum_groups[k] for k in keys])
+        split = bucket.splits[keys] = (
+            [(parts[0][0], None)] if len(parts) == 1 else
+            [(g, torch.tensor(pos, dtype=torch.long, device=device)) for g, pos in parts if g])
+    return split
+
+
+def _start_sum_split(sq: torch.Tensor, split: list):
+    """Start the SUM-all-reduce of each part of ``sq`` over its groups (``split``: _fsdp_split's;
+    every part started before any completes); returns the function that completes them all,
+    leaving the sums in ``sq``."""
+    if len(split) == 1 and split[0][1] is None:
+        return _start_reduce(sq, split[0][0], "sum")
+    started = []
+    for groups, pos in split:
+        part = sq.index_select(0, pos)
+        started.append((pos, part, _start_reduce(part, groups, "sum")))
+
+    def finish():
+        for pos, part, wait in started:
+            wait()
+            sq.index_copy_(0, pos, part)
+    return finish
 
 
 def _start_reduce(t: torch.Tensor, groups: tuple, op: str):
