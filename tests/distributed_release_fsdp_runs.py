@@ -299,6 +299,16 @@ def _refusals(rank):
         mpfused.AdamW(list(model.parameters()) + [extra]), fsdp=model))
     attempt("not_fsdp_module", lambda: mpfused.step_in_backward(
         mpfused.AdamW(model.parameters()), fsdp=torch.nn.Linear(2, 2)))
+    # a param group refused after attaching (a param not under `fsdp`): release keeps its hooks
+    opt = mpfused.AdamW(model.parameters(), lr=1e-2)
+    mpfused.step_in_backward(opt, fsdp=model)
+    attempt("add_foreign_group", lambda: opt.add_param_group({"params": [extra]}))
+    before = local_params(model)
+    loss_fn(model, *_data(0, rank, "float32")).backward()
+    after = local_params(model)
+    out["after_refused_add"] = dict(
+        groups=len(opt.param_groups), grads_left=sum(p.grad is not None for p in model.parameters()),
+        stepped=sorted(n for n in before if not torch.equal(before[n], after[n])))
     return out
 
 

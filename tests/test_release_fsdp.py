@@ -182,6 +182,11 @@ def test_release_fsdp_refusals():
         assert kind == "ValueError" and "param_groups[0]['params'][6]" in msg
         kind, msg = r["not_fsdp_module"]
         assert kind == "TypeError" and "fully_shard" in msg
+        # add_param_group refused after attaching: the old buckets and hooks still release
+        kind, msg = r["add_foreign_group"]
+        assert kind == "ValueError" and "param_groups[1]['params'][0]" in msg
+        assert r["after_refused_add"] == dict(groups=1, grads_left=0, stepped=sorted(
+            n for layer in ("fc1", "fc2", "fc3") for n in (f"{layer}.weight", f"{layer}.bias")))
 
 
 # ---- single-process unit tests (no launch) ------------------------------------------------------

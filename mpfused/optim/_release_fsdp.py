@@ -107,10 +107,17 @@ class FSDPRelease:
             raise NotImplementedError(  # older FSDP2 never fires the hooks: nothing would step
                 "step_in_backward(fsdp=...) needs torch >= 2.5 (FSDP2 calls the sharded params' "
                 f"post-accumulate-grad hooks from 2.5 on), got {torch.__version__}")
+        self._fsdp_buckets, self._fsdp_bucket_of, hooked = self._fsdp_plan(model)
+        self._handles.extend(p.register_post_accumulate_grad_hook(self._on_fsdp_grad)
+                             for p in hooked)
+
+    def _fsdp_plan(self, model) -> tuple:
+        """(buckets, {id(param): (bucket, key)}, the params to hook) of the optimizer's current
+        groups under ``model``; raises before anything changes."""
         opt = self.optimizer
         where = {id(p): (gi, i) for gi, g in enumerate(opt.param_groups)
                  for i, p in enumerate(g["params"])}
-        self._fsdp_buckets, self._fsdp_bucket_of, hooked = [], {}, []
+        buckets, bucket_of, hooked = [], {}, []
         for fsdp_group in fsdp_param_groups(model):
             members = [(where[id(fp.sharded_param)], fp.sharded_param)
                        for fp in fsdp_group.fsdp_params
@@ -119,22 +126,21 @@ class FSDPRelease:
                 continue
             bucket = _FSDPBucket(tuple(sorted(k for k, _ in members)),
                                  tuple(found_inf_groups([p for _, p in members])),
-                                 self._norm_groups(members) if self._clip is not None else ())
-            self._fsdp_buckets.append(bucket)
+                                 self._norm_groups(members) if self._clip is not None else None)
+            buckets.append(bucket)
             for key, p in members:
-                self._fsdp_bucket_of[id(p)] = (bucket, key)
+                bucket_of[id(p)] = (bucket, key)
                 hooked.append(p)
         missing = [f"param_groups[{gi}]['params'][{i}]" for gi, g in enumerate(opt.param_groups)
                    for i, p in enumerate(g["params"])
-                   if p.requires_grad and id(p) not in self._fsdp_bucket_of]
+                   if p.requires_grad and id(p) not in bucket_of]
         if missing:
             raise ValueError(
                 "step_in_backward(fsdp=...): every param of the optimizer that requires grad must "
                 "be a sharded param of a fully_shard module under `fsdp` (FSDP2 fires its hooks "
                 f"after the reduce-scatter); not: {', '.join(missing[:4])}"
                 + (" ..." if len(missing) > 4 else ""))
-        self._handles.extend(p.register_post_accumulate_grad_hook(self._on_fsdp_grad)
-                             for p in hooked)
+        return buckets, bucket_of, hooked
 
     @staticmethod
     def _norm_groups(members) -> dict:
@@ -153,11 +159,14 @@ class FSDPRelease:
         return out
 
     def _fsdp_add_group(self) -> None:
-        """A group added after attaching: the buckets are remade from FSDP2's groups."""
+        """A group added after attaching: the buckets are remade from FSDP2's groups (built
+        first: if that raises, the old buckets and hooks stay)."""
+        buckets, bucket_of, hooked = self._fsdp_plan(self._fsdp)
+        new = [p.register_post_accumulate_grad_hook(self._on_fsdp_grad) for p in hooked]
         for h in self._handles:
             h.remove()
-        self._handles = []
-        self._watch_fsdp(self._fsdp)
+        self._handles = new
+        self._fsdp_buckets, self._fsdp_bucket_of = buckets, bucket_of
 
     def _on_fsdp_grad(self, p: torch.Tensor) -> None:
         """Called by FSDP2 once p's sharded grad is reduced (and accumulated)."""
