@@ -49,8 +49,10 @@ from collections import defaultdict
 
 import torch
 
-from mpfused.distributed import _PARTIAL, all_reduce_, found_inf_groups, local, shard_groups
+from mpfused.distributed import (_PARTIAL, found_inf_groups, local, shard_groups,
+                                 start_all_reduce_)
 from mpfused.ops import amp as amp_ops
+from mpfused.optim._release_clip import check_sums_of_squares
 
 
 class _FSDPBucket:
@@ -195,7 +197,7 @@ class FSDPRelease:
             found.zero_()
             grads = [g for items in parts.values() for _, g in items]
             sq = self._check_fsdp(grads, found, inv)
-            finish = _start_reduce(found, bucket.groups, "max")
+            finish = start_all_reduce_(found, bucket.groups, "max")
             if sq is not None:  # clip='previous': the global per-param sums of squares
                 keys = tuple((gi, i) for gi, items in parts.items() for i, _ in items)
                 finish = _then(finish, _start_sum_split(sq, _fsdp_split(bucket, keys, sq.device)))
@@ -215,27 +217,16 @@ class FSDPRelease:
         for p in params:
             p.grad = None
 
-
     def _check_fsdp(self, grads: list, found: torch.Tensor, inv: torch.Tensor):
         """The bucket's check of its local grads into ``found``; with clip='previous' also each
         local grad's sum of squares (of grad * inv), returned (one per grad, zero for an empty
         shard: every rank's vector has the same length)."""
         backend = self.optimizer._backend
-        nonempty = [g for g in grads if g.numel()]
-        if self._clip is None:
-            if nonempty:
-                amp_ops.check_grads(nonempty, found, inv, backend=backend)
-            return None
-        sq = torch.zeros(len(grads), dtype=torch.float32, device=found.device)
-        if len(nonempty) == len(grads):
-            if grads:
-                amp_ops.check_grads(grads, found, inv, norm_sq_per_tensor=sq, backend=backend)
-        elif nonempty:
-            part = torch.zeros(len(nonempty), dtype=torch.float32, device=found.device)
-            amp_ops.check_grads(nonempty, found, inv, norm_sq_per_tensor=part, backend=backend)
-            at = [k for k, g in enumerate(grads) if g.numel()]
-            sq.index_copy_(0, torch.tensor(at, device=found.device), part)
-        return sq
+        if self._clip is not None:
+            return check_sums_of_squares(grads, found, inv, backend)
+        if any(g.numel() for g in grads):  # (empty shards check as nothing)
+            amp_ops.check_grads(grads, found, inv, backend=backend)
+        return None
 
     def _fsdp_clip_ids(self, bucket: _FSDPBucket, updates: list, found: torch.Tensor):
         """The flat positions of the updated params, in the order of their sums (cached)."""
@@ -275,34 +266,17 @@ def _start_sum_split(sq: torch.Tensor, split: list):
     every part started before any completes); returns the function that completes them all,
     leaving the sums in ``sq``."""
     if len(split) == 1 and split[0][1] is None:
-        return _start_reduce(sq, split[0][0], "sum")
+        return start_all_reduce_(sq, split[0][0], "sum")
     started = []
     for groups, pos in split:
         part = sq.index_select(0, pos)
-        started.append((pos, part, _start_reduce(part, groups, "sum")))
+        started.append((pos, part, start_all_reduce_(part, groups, "sum")))
 
     def finish():
         for pos, part, wait in started:
             wait()
             sq.index_copy_(0, pos, part)
     return finish
-
-
-def _start_reduce(t: torch.Tensor, groups: tuple, op: str):
-    """Start the in-place all-reduce (``op`` "max" or "sum") of the small tensor ``t`` over
-    ``groups`` (one after another: over their product); returns the function that completes it.
-    One group (FSDP): asynchronous, so the caller's host work overlaps it; ``wait()`` on NCCL
-    orders the current stream only."""
-    if not groups:
-        return lambda: None
-    import torch.distributed as dist
-
-    if any(dist.get_backend(g) == "nccl" for g in groups) and t.device.type != "cuda":
-        return lambda: all_reduce_(t, groups, op)  # CPU-offloaded grads on NCCL: a copy
-    red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-    for g in groups[:-1]:
-        dist.all_reduce(t, op=red, group=g, async_op=True).wait()
-    return dist.all_reduce(t, op=red, group=groups[-1], async_op=True).wait
 
 
 def _then(first, second):
