@@ -52,7 +52,7 @@ import torch
 from mpfused.device_copy import copy_to
 
 __all__ = ["is_dtensor", "local", "shard_groups", "mesh_groups", "split_by_shard_groups",
-           "found_inf_groups", "all_reduce_"]
+           "found_inf_groups", "all_reduce_", "start_all_reduce_"]
 
 
 _PARTIAL = "partial"
@@ -134,18 +134,34 @@ def all_reduce_(t: torch.Tensor, groups, op: str, device_type: str | None = None
     reduction over the groups of several mesh dims one after another is one over their product.
     The tensor is moved to ``device_type`` for the collective when needed (e.g. found_inf of
     CPU-offloaded grads on an NCCL group) and copied back."""
+    start_all_reduce_(t, groups, op, device_type)()
+    return t
+
+
+def start_all_reduce_(t: torch.Tensor, groups, op: str, device_type: str | None = None):
+    """``all_reduce_`` started: returns the function that completes it (``t`` holds the result
+    once that has run), so that host work overlaps the last group's collective (``async_op``;
+    on NCCL ``wait()`` orders the current stream only). The groups before the last, and a
+    reduction that moves ``t`` to another device, complete here."""
     if not groups:
-        return t
+        return _done
     import torch.distributed as dist
 
     red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
     want = device_type or _device_type_of(groups[0])
-    work = t if want is None or t.device.type == want else t.to(want)
-    for g in groups:
-        dist.all_reduce(work, op=red, group=g)
-    if work is not t:
+    if want is not None and t.device.type != want:
+        work = t.to(want)
+        for g in groups:
+            dist.all_reduce(work, op=red, group=g)
         t.copy_(work)
-    return t
+        return _done
+    for g in groups[:-1]:
+        dist.all_reduce(t, op=red, group=g, async_op=True).wait()
+    return dist.all_reduce(t, op=red, group=groups[-1], async_op=True).wait
+
+
+def _done() -> None:
+    return None
 
 
 def reduce_norm_parts(parts: dict, out: torch.Tensor) -> torch.Tensor:

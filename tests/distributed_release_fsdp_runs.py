@@ -56,17 +56,31 @@ CKPT = ["bf16_remainder", "adamw8bit", "clip_fsdp"]
 BUCKET_OF_NAN = ("fc2.weight", "fc2.bias")
 
 
+class _GainLinear(torch.nn.Linear):
+    """A Linear whose output is multiplied by ``gain`` (1 x out_features), a param of the same
+    module (so of its FSDP group, unsharded in its forward)."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__(n_in, n_out)
+        self.gain = torch.nn.Parameter(1 + 0.1 * torch.randn(1, n_out))
+
+    def forward(self, x):
+        return super().forward(x) * self.gain
+
+
 class ClipNet(torch.nn.Module):
-    """The clip='previous' runs' model: three layers of 119, 120 and 112 elements (all sharded
+    """The clip='previous' runs' model: three layers of 119, 120 and 119 elements (all sharded
     unevenly over 2 ranks: 4 + 3, 8 + 7, 4 + 3 rows), so that the single-process release with
     CLIP_BUCKET_BYTES (one param group) makes the same buckets as FSDP2's groups: fc3, fc2, fc1
-    (each layer fits, no layer plus the next one's bias does)."""
+    (each layer fits, no layer plus the next one's bias does). fc3 also holds ``gain`` (1 x 7,
+    _GainLinear): FSDP2 shards its one row to rank 0, rank 1's shard is empty (0 x 7), so the
+    fc3 bucket has empty and non-empty local grads on rank 1."""
 
     def __init__(self):
         super().__init__()
         self.fc1 = torch.nn.Linear(16, 7)
         self.fc2 = torch.nn.Linear(7, 15)
-        self.fc3 = torch.nn.Linear(15, 7)
+        self.fc3 = _GainLinear(15, 7)
 
     def forward(self, x):
         return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
@@ -218,7 +232,8 @@ def _accumulation(name, rank):
 def _clip_run(name, rank):
     """clip='previous' release, STEPS steps, NaN on rank 1's fc2 shard at NAN_STEP: per step the
     full params, the per-param sums carried (release.state_dict()) and the skipped count; the
-    final local snapshot (HSDP: the replicas must agree bit for bit)."""
+    final local snapshot (HSDP: the replicas must agree bit for bit); the params whose local
+    shard is empty here."""
     from tests.distributed_model import full
 
     run = Run(name, rank, release=True)
@@ -228,7 +243,8 @@ def _clip_run(name, rank):
         traj.append(dict(params={n: full(p) for n, p in run.model.named_parameters()},
                          clip_sq=run.handle.state_dict()["clip_sq_per_param"].clone(),
                          skipped=skipped, scale=run.scaler.get_scale()))
-    return dict(traj=traj, final=run.snapshot())
+    empty = [n for n, p in run.model.named_parameters() if p.to_local().numel() == 0]
+    return dict(traj=traj, final=run.snapshot(), empty_shards=empty)
 
 
 def _checkpoint(name, rank, ckpt_dir):
@@ -283,6 +299,16 @@ def _refusals(rank):
         mpfused.AdamW(list(model.parameters()) + [extra]), fsdp=model))
     attempt("not_fsdp_module", lambda: mpfused.step_in_backward(
         mpfused.AdamW(model.parameters()), fsdp=torch.nn.Linear(2, 2)))
+    # a param group refused after attaching (a param not under `fsdp`): release keeps its hooks
+    opt = mpfused.AdamW(model.parameters(), lr=1e-2)
+    mpfused.step_in_backward(opt, fsdp=model)
+    attempt("add_foreign_group", lambda: opt.add_param_group({"params": [extra]}))
+    before = local_params(model)
+    loss_fn(model, *_data(0, rank, "float32")).backward()
+    after = local_params(model)
+    out["after_refused_add"] = dict(
+        groups=len(opt.param_groups), grads_left=sum(p.grad is not None for p in model.parameters()),
+        stepped=sorted(n for n in before if not torch.equal(before[n], after[n])))
     return out
 
 

@@ -105,7 +105,7 @@ def _clip_reference(opt_name):
     model.fc2.weight.register_post_accumulate_grad_hook(inject)  # (fires before release's)
     release = mpfused.step_in_backward(opt, scaler=scaler, clip="previous",
                                        bucket_bytes=CLIP_BUCKET_BYTES)
-    assert [c.order for c in release._chunks] == [(4, 5), (2, 3), (0, 1)]  # = FSDP2's groups
+    assert [c.order for c in release._chunks] == [(4, 5, 6), (2, 3), (0, 1)]  # = FSDP2's groups
     traj = []
     for step in range(STEPS):
         opt.zero_grad(set_to_none=True)
@@ -132,8 +132,9 @@ def test_release_clip_previous(name):
     """clip='previous' under FSDP2 (HSDP: the replicate dim is not summed): (a) each step's
     params and carried per-param sums equal the single-process release's (within
     RELEASE_FSDP_CLIP_TOL: the grads and the sums of squares differ from it only in the order
-    of summation; HSDP 2x1: bit for bit); (b) the ranks end bit-identical (the sums; HSDP
-    replicas: params and state); (c) the NaN in rank 1's fc2 shard skips fc2 on every rank and counts zero."""
+    of summation; HSDP 2x1: bit for bit), rank 1's fc3.gain shard being empty under FSDP2;
+    (b) the ranks end bit-identical (the sums; HSDP replicas: params and state); (c) the NaN
+    in rank 1's fc2 shard skips fc2 on every rank and counts zero."""
     runs = _results(("clip", name))
     ref = _clip_reference(CLIP_CONFIGS[name][1])
     # HSDP 2x1 (shard dim of size 1): every rank sums its full grads in the single process's
@@ -141,6 +142,10 @@ def test_release_clip_previous(name):
     # for bit (a power-of-2 factor, 1 intra-op thread): exact there.
     tol = dict(rtol=0, atol=0) if CLIP_CONFIGS[name][0][-1] == 1 else RELEASE_FSDP_CLIP_TOL
     worst = {"params": 0.0, "clip_sq": 0.0}
+    # fc3.gain (1 row): rank 1's shard is empty under FSDP2 (2 shards), so its fc3 bucket
+    # sums its non-empty grads only and puts a zero for the empty one
+    assert [r["empty_shards"] for r in runs] == (
+        [[], []] if CLIP_CONFIGS[name][0][-1] == 1 else [[], ["fc3.gain"]])
     for rank, r in enumerate(runs):
         for step, (got, want) in enumerate(zip(r["traj"], ref)):
             where = (rank, name, step)
@@ -153,12 +158,15 @@ def test_release_clip_previous(name):
                                            msg=lambda m, k=k: f"{where} {k}: {m}")
                 worst["params"] = max(worst["params"], _max_rel(got["params"][k], v))
         nan_sq = r["traj"][NAN_STEP]["clip_sq"]
-        assert (nan_sq[2:4] == 0).all() and (nan_sq[[0, 1, 4, 5]] > 0).all(), (rank, nan_sq)
+        assert (nan_sq[2:4] == 0).all() and (nan_sq[[0, 1, 4, 5, 6]] > 0).all(), (rank, nan_sq)
         before, after = r["traj"][NAN_STEP - 1]["params"], r["traj"][NAN_STEP]["params"]
         for k in before:
             assert torch.equal(after[k], before[k]) == (k in BUCKET_OF_NAN), (rank, k)
         assert float(r["traj"][-1]["clip_sq"].sum()) > MAX_NORM ** 2  # it clips: it matters
+    # The figures README quotes (printed with -s): the largest |got - want| / max(|want|, 1e-3)
+    # over ranks, steps and elements; summation order only, so well under the tolerance's rtol.
     print(f"{name}: max relative deviation from the single process {worst}")
+    assert max(worst.values()) <= tol["rtol"], worst
     a, b = (r["final"] for r in runs)
     assert torch.equal(a["clip_sq"], b["clip_sq"])
     for step in range(STEPS):
@@ -177,3 +185,70 @@ def test_release_fsdp_refusals():
         assert kind == "ValueError" and "param_groups[0]['params'][6]" in msg
         kind, msg = r["not_fsdp_module"]
         assert kind == "TypeError" and "fully_shard" in msg
+        # add_param_group refused after attaching: the old buckets and hooks still release
+        kind, msg = r["add_foreign_group"]
+        assert kind == "ValueError" and "param_groups[1]['params'][0]" in msg
+        assert r["after_refused_add"] == dict(groups=1, grads_left=0, stepped=sorted(
+            n for layer in ("fc1", "fc2", "fc3") for n in (f"{layer}.weight", f"{layer}.bias")))
+
+
+# ---- single-process unit tests (no launch) ------------------------------------------------------
+class _FakeWork:
+    def __init__(self, log, name):
+        self.log, self.name = log, name
+
+    def wait(self):
+        self.log.append(("wait", self.name))
+
+
+def test_fsdp_clip_sums_split_by_shard_groups(monkeypatch):
+    """Params of one FSDP group sharding different mesh dims (FSDP + TP: "dp" only, or "dp" and
+    "tp"; a plain param: none): each part of the per-param sums is SUM-reduced over its own
+    groups, every part started before the first completes, written back in place. Fake groups:
+    the fake all_reduce multiplies by the group's size (as equal shards on every rank would)."""
+    import torch.distributed as dist
+
+    from mpfused.optim import _release_fsdp as rf
+
+    size, log = {"dp": 2, "tp": 3}, []
+
+    def all_reduce(t, op=None, group=None, async_op=False):
+        assert op == dist.ReduceOp.SUM and async_op
+        log.append(("reduce", group, t.tolist()))
+        t.mul_(size[group])
+        return _FakeWork(log, group)
+    monkeypatch.setattr(dist, "all_reduce", all_reduce)
+    monkeypatch.setattr(dist, "get_backend", lambda g: "gloo")
+    keys = ((0, 0), (0, 1), (1, 0), (1, 1))
+    bucket = rf._FSDPBucket(keys, ("dp", "tp"),
+                            {keys[0]: ("dp",), keys[1]: ("dp", "tp"), keys[2]: ("dp",),
+                             keys[3]: ()})
+    assert rf.split_positions([("dp",), ("dp", "tp"), ("dp",), ()]) == [
+        (("dp",), [0, 2]), (("dp", "tp"), [1]), ((), [3])]
+    sq = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    split = rf._fsdp_split(bucket, keys, sq.device)
+    assert rf._fsdp_split(bucket, keys, sq.device) is split  # cached
+    finish = rf._start_sum_split(sq, split)
+    assert log == [("reduce", "dp", [1.0, 3.0]), ("reduce", "dp", [2.0]), ("wait", "dp"),
+                   ("reduce", "tp", [4.0])]  # every part started; none completed
+    assert sq.tolist() == [1.0, 2.0, 3.0, 4.0]
+    finish()
+    assert sq.tolist() == [2.0, 12.0, 6.0, 4.0]
+    assert log[4:] == [("wait", "dp"), ("wait", "tp")]
+    # one set of groups (plain FSDP): sq itself reduced, no split
+    log.clear()
+    sq = torch.tensor([1.0, 2.0])
+    rf._start_sum_split(sq, rf._fsdp_split(bucket, keys[::2], sq.device))()
+    assert sq.tolist() == [2.0, 4.0] and log == [("reduce", "dp", [1.0, 2.0]), ("wait", "dp")]
+
+
+def test_fsdp_clip_partial_refused(monkeypatch):
+    from mpfused.distributed import _PARTIAL
+    from mpfused.optim import _release_fsdp as rf
+
+    monkeypatch.setattr(rf, "shard_groups", lambda p: p)  # a fake param: its shard groups
+    ok = [((0, 0), ("dp",)), ((0, 1), ("dp", "tp"))]
+    assert rf.FSDPRelease._norm_groups(ok) == dict(ok)
+    with pytest.raises(NotImplementedError,
+                       match=r"param_groups\[1\]\['params'\]\[2\] has a Partial placement"):
+        rf.FSDPRelease._norm_groups(ok + [((1, 2), ("dp", _PARTIAL))])

@@ -23,6 +23,16 @@ import torch
 from mpfused.ops import amp as amp_ops
 
 
+def check_sums_of_squares(grads: list, found, inv_scale, backend=None) -> torch.Tensor:
+    """``check_grads`` of ``grads`` into ``found``, returning each grad's sum of squares (of
+    grad * inv_scale): one float32 per grad, zero for an empty one (check_grads takes empty
+    tensors; a list of empty ones only is not checked)."""
+    sq = torch.zeros(len(grads), dtype=torch.float32, device=found.device)
+    if any(g.numel() for g in grads):
+        amp_ops.check_grads(grads, found, inv_scale, norm_sq_per_tensor=sq, backend=backend)
+    return sq
+
+
 class PreviousNormClip:
     def __init__(self, optimizer):
         self._n = sum(len(g["params"]) for g in optimizer.param_groups)
@@ -45,10 +55,7 @@ class PreviousNormClip:
         order of ``ids``: each grad's sum of squares, the non-finite flag ``found``, recorded as
         ``check_and_record`` does) and then the squared norm it clips with."""
         found.zero_()
-        sqs = []
-        for grads in grad_lists:
-            sqs.append(torch.zeros(len(grads), dtype=torch.float32, device=found.device))
-            amp_ops.check_grads(grads, found, inv_scale, norm_sq_per_tensor=sqs[-1], backend=backend)
+        sqs = [check_sums_of_squares(grads, found, inv_scale, backend) for grads in grad_lists]
         torch.maximum(found_total, found, out=found_total)
         skipped.add_((found > 0).to(skipped.device))
         return self.norm_sq_for(ids, torch.cat(sqs).to(ids.device), found)

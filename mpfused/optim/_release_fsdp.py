@@ -29,7 +29,12 @@ unscaled grad); that small vector (one float32 per param of the bucket) is SUM-a
 right after the flag's MAX reduction and as asynchronously, over the mesh dims whose placement is
 not Replicate (FSDP2's shard dim; under HSDP not the replicate dim, whose ranks hold copies of
 the same shard): the sums of squares of the full, unsharded grads, as ``clip_grad_norm_`` and the
-ordinary step's ``max_grad_norm`` compute them. ``_release_clip.PreviousNormClip.norm_sq_for``
+ordinary step's ``max_grad_norm`` compute them. Params of one FSDP group may shard different mesh
+dims (FSDP + TP: a norm weight Replicate on the TP dim, a matmul weight Shard on it): the vector
+is then split by its params' groups (``shard_groups``, the same on every rank) and each part
+SUM-reduced over its own, all started before any completes, in the same order on every rank. A
+Partial placement is refused (its local values are addends: their squares do not sum to the
+norm). ``_release_clip.PreviousNormClip.norm_sq_for``
 then gives the bucket's norm estimate, one for the FSDP group across the optimizer's param
 groups, from these global sums (a skipped bucket counts zero), so every rank clips every bucket
 with the same norm and carries the same per-param sums into the next step and into
@@ -44,21 +49,25 @@ from collections import defaultdict
 
 import torch
 
-from mpfused.distributed import _PARTIAL, all_reduce_, found_inf_groups, local, shard_groups
+from mpfused.distributed import (_PARTIAL, found_inf_groups, local, shard_groups,
+                                 start_all_reduce_)
 from mpfused.ops import amp as amp_ops
+from mpfused.optim._release_clip import check_sums_of_squares
 
 
 class _FSDPBucket:
     """One FSDP param group's params held by the optimizer: ``members`` its (group index, index)
     keys, sorted; ``groups`` the process groups its flag is MAX-reduced over; ``sum_groups``
-    (clip='previous') those its per-param sums of squares are SUM-reduced over; ``clip_ids``
-    the flat param positions of each ready set (cached)."""
-    __slots__ = ("members", "ready", "groups", "sum_groups", "clip_ids")
+    (clip='previous') {key: the groups its param's sum of squares is SUM-reduced over};
+    ``clip_ids`` the flat param positions and ``splits`` the split by ``sum_groups`` of each
+    ready set (cached)."""
+    __slots__ = ("members", "ready", "groups", "sum_groups", "clip_ids", "splits")
 
-    def __init__(self, members: tuple, groups: tuple, sum_groups: tuple = ()):
-        self.members, self.groups, self.sum_groups = members, groups, sum_groups
+    def __init__(self, members: tuple, groups: tuple, sum_groups: dict | None = None):
+        self.members, self.groups, self.sum_groups = members, groups, sum_groups or {}
         self.ready: set = set()
         self.clip_ids: dict = {}
+        self.splits: dict = {}
 
 
 def fsdp_param_groups(model) -> list:
@@ -100,10 +109,17 @@ class FSDPRelease:
             raise NotImplementedError(  # older FSDP2 never fires the hooks: nothing would step
                 "step_in_backward(fsdp=...) needs torch >= 2.5 (FSDP2 calls the sharded params' "
                 f"post-accumulate-grad hooks from 2.5 on), got {torch.__version__}")
+        self._fsdp_buckets, self._fsdp_bucket_of, hooked = self._fsdp_plan(model)
+        self._handles.extend(p.register_post_accumulate_grad_hook(self._on_fsdp_grad)
+                             for p in hooked)
+
+    def _fsdp_plan(self, model) -> tuple:
+        """(buckets, {id(param): (bucket, key)}, the params to hook) of the optimizer's current
+        groups under ``model``; raises before anything changes."""
         opt = self.optimizer
         where = {id(p): (gi, i) for gi, g in enumerate(opt.param_groups)
                  for i, p in enumerate(g["params"])}
-        self._fsdp_buckets, self._fsdp_bucket_of, hooked = [], {}, []
+        buckets, bucket_of, hooked = [], {}, []
         for fsdp_group in fsdp_param_groups(model):
             members = [(where[id(fp.sharded_param)], fp.sharded_param)
                        for fp in fsdp_group.fsdp_params
@@ -112,40 +128,47 @@ class FSDPRelease:
                 continue
             bucket = _FSDPBucket(tuple(sorted(k for k, _ in members)),
                                  tuple(found_inf_groups([p for _, p in members])),
-                                 self._norm_groups(members) if self._clip is not None else ())
-            self._fsdp_buckets.append(bucket)
+                                 self._norm_groups(members) if self._clip is not None else None)
+            buckets.append(bucket)
             for key, p in members:
-                self._fsdp_bucket_of[id(p)] = (bucket, key)
+                bucket_of[id(p)] = (bucket, key)
                 hooked.append(p)
         missing = [f"param_groups[{gi}]['params'][{i}]" for gi, g in enumerate(opt.param_groups)
                    for i, p in enumerate(g["params"])
-                   if p.requires_grad and id(p) not in self._fsdp_bucket_of]
+                   if p.requires_grad and id(p) not in bucket_of]
         if missing:
             raise ValueError(
                 "step_in_backward(fsdp=...): every param of the optimizer that requires grad must "
                 "be a sharded param of a fully_shard module under `fsdp` (FSDP2 fires its hooks "
                 f"after the reduce-scatter); not: {', '.join(missing[:4])}"
                 + (" ..." if len(missing) > 4 else ""))
-        self._handles.extend(p.register_post_accumulate_grad_hook(self._on_fsdp_grad)
-                             for p in hooked)
+        return buckets, bucket_of, hooked
 
     @staticmethod
-    def _norm_groups(members) -> tuple:
-        """The groups a bucket's per-param sums of squares are SUM-reduced over: its params' mesh
-        dims that are not Replicate (the same for every param of an FSDP group)."""
-        sets = {shard_groups(p) for _, p in members}
-        if len(sets) != 1 or _PARTIAL in next(iter(sets)):
-            raise NotImplementedError(
-                "step_in_backward(fsdp=..., clip='previous'): the params of one FSDP param "
-                "group must share their sharded mesh dims, with no Partial placement")
-        return next(iter(sets))
+    def _norm_groups(members) -> dict:
+        """{key: the groups its param's sum of squares is SUM-reduced over}: the param's mesh dims
+        that are not Replicate (they may differ within an FSDP group, e.g. under FSDP + TP)."""
+        out = {}
+        for (gi, i), p in members:
+            groups = shard_groups(p)
+            if _PARTIAL in groups:
+                raise NotImplementedError(
+                    f"step_in_backward(fsdp=..., clip='previous'): param_groups[{gi}]['params']"
+                    f"[{i}] has a Partial placement; clip='previous' needs Shard or Replicate "
+                    "placements (a Partial shard's values are addends of the param, their squares "
+                    "do not sum to its norm): redistribute it first")
+            out[(gi, i)] = groups
+        return out
 
     def _fsdp_add_group(self) -> None:
-        """A group added after attaching: the buckets are remade from FSDP2's groups."""
+        """A group added after attaching: the buckets are remade from FSDP2's groups (built
+        first: if that raises, the old buckets and hooks stay)."""
+        buckets, bucket_of, hooked = self._fsdp_plan(self._fsdp)
+        new = [p.register_post_accumulate_grad_hook(self._on_fsdp_grad) for p in hooked]
         for h in self._handles:
             h.remove()
-        self._handles = []
-        self._watch_fsdp(self._fsdp)
+        self._handles = new
+        self._fsdp_buckets, self._fsdp_bucket_of = buckets, bucket_of
 
     def _on_fsdp_grad(self, p: torch.Tensor) -> None:
         """Called by FSDP2 once p's sharded grad is reduced (and accumulated)."""
@@ -174,9 +197,10 @@ class FSDPRelease:
             found.zero_()
             grads = [g for items in parts.values() for _, g in items]
             sq = self._check_fsdp(grads, found, inv)
-            finish = _start_reduce(found, bucket.groups, "max")
+            finish = start_all_reduce_(found, bucket.groups, "max")
             if sq is not None:  # clip='previous': the global per-param sums of squares
-                finish = _then(finish, _start_reduce(sq, bucket.sum_groups, "sum"))
+                keys = tuple((gi, i) for gi, items in parts.items() for i, _ in items)
+                finish = _then(finish, _start_sum_split(sq, _fsdp_split(bucket, keys, sq.device)))
             updates = [(gi, tuple(i for i, _ in items), [g for _, g in items])
                        for gi, items in parts.items()]
             for gi, idx, gs in updates:  # plan (cached) while the reductions are in flight
@@ -193,27 +217,16 @@ class FSDPRelease:
         for p in params:
             p.grad = None
 
-
     def _check_fsdp(self, grads: list, found: torch.Tensor, inv: torch.Tensor):
         """The bucket's check of its local grads into ``found``; with clip='previous' also each
         local grad's sum of squares (of grad * inv), returned (one per grad, zero for an empty
         shard: every rank's vector has the same length)."""
         backend = self.optimizer._backend
-        nonempty = [g for g in grads if g.numel()]
-        if self._clip is None:
-            if nonempty:
-                amp_ops.check_grads(nonempty, found, inv, backend=backend)
-            return None
-        sq = torch.zeros(len(grads), dtype=torch.float32, device=found.device)
-        if len(nonempty) == len(grads):
-            if grads:
-                amp_ops.check_grads(grads, found, inv, norm_sq_per_tensor=sq, backend=backend)
-        elif nonempty:
-            part = torch.zeros(len(nonempty), dtype=torch.float32, device=found.device)
-            amp_ops.check_grads(nonempty, found, inv, norm_sq_per_tensor=part, backend=backend)
-            at = [k for k, g in enumerate(grads) if g.numel()]
-            sq.index_copy_(0, torch.tensor(at, device=found.device), part)
-        return sq
+        if self._clip is not None:
+            return check_sums_of_squares(grads, found, inv, backend)
+        if any(g.numel() for g in grads):  # (empty shards check as nothing)
+            amp_ops.check_grads(grads, found, inv, backend=backend)
+        return None
 
     def _fsdp_clip_ids(self, bucket: _FSDPBucket, updates: list, found: torch.Tensor):
         """The flat positions of the updated params, in the order of their sums (cached)."""
@@ -226,21 +239,44 @@ class FSDPRelease:
         return ids
 
 
-def _start_reduce(t: torch.Tensor, groups: tuple, op: str):
-    """Start the in-place all-reduce (``op`` "max" or "sum") of the small tensor ``t`` over
-    ``groups`` (one after another: over their product); returns the function that completes it.
-    One group (FSDP): asynchronous, so the caller's host work overlaps it; ``wait()`` on NCCL
-    orders the current stream only."""
-    if not groups:
-        return lambda: None
-    import torch.distributed as dist
+def split_positions(groups_of: list) -> list:
+    """``[(groups, positions)]``: the positions of ``groups_of`` (one tuple of process groups per
+    item) grouped by their value, in first-seen order (the same on every rank when the items
+    are)."""
+    out: dict[tuple, list] = {}
+    for k, groups in enumerate(groups_of):
+        out.setdefault(groups, []).append(k)
+    return list(out.items())
 
-    if any(dist.get_backend(g) == "nccl" for g in groups) and t.device.type != "cuda":
-        return lambda: all_reduce_(t, groups, op)  # CPU-offloaded grads on NCCL: a copy
-    red = dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM
-    for g in groups[:-1]:
-        dist.all_reduce(t, op=red, group=g, async_op=True).wait()
-    return dist.all_reduce(t, op=red, group=groups[-1], async_op=True).wait
+
+def _fsdp_split(bucket: _FSDPBucket, keys: tuple, device) -> list:
+    """The bucket's per-param sums (of the params ``keys``, in that order) split by their
+    groups: ``[(groups, positions tensor or None when all share them)]`` (cached)."""
+    split = bucket.splits.get(keys)
+    if split is None:
+        parts = split_positions([bucket.sum_groups[k] for k in keys])
+        split = bucket.splits[keys] = (
+            [(parts[0][0], None)] if len(parts) == 1 else
+            [(g, torch.tensor(pos, dtype=torch.long, device=device)) for g, pos in parts if g])
+    return split
+
+
+def _start_sum_split(sq: torch.Tensor, split: list):
+    """Start the SUM-all-reduce of each part of ``sq`` over its groups (``split``: _fsdp_split's;
+    every part started before any completes); returns the function that completes them all,
+    leaving the sums in ``sq``."""
+    if len(split) == 1 and split[0][1] is None:
+        return start_all_reduce_(sq, split[0][0], "sum")
+    started = []
+    for groups, pos in split:
+        part = sq.index_select(0, pos)
+        started.append((pos, part, start_all_reduce_(part, groups, "sum")))
+
+    def finish():
+        for pos, part, wait in started:
+            wait()
+            sq.index_copy_(0, pos, part)
+    return finish
 
 
 def _then(first, second):
