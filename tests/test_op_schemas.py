@@ -298,34 +298,38 @@ def _map_without_plus_zero(kind):
     return q
 
 
-@pytest.mark.parametrize("kind", ["unsigned", "no-zero", "minus-zero"])
-@pytest.mark.parametrize("op", ["adam8bit_step_", "sgd8bit_step_", "lion8bit_step_"])
-def test_signed_map_without_plus_zero_refused_on_every_backend(op, kind):
-    """Every backend (native, Triton, the reference) refuses the map with the same message (the
-    native binding's has no op name) and writes nothing; a value rule, so the fake kernel leaves
-    it alone."""
-    index = [a.name for a in _schema(op).arguments].index("qmap1" if op.startswith("adam")
-                                                           else "qmap")
-    name = _schema(op).arguments[index].name
+def _bad_map_refused_everywhere(op, make_map, rule):
+    """Every backend (native, Triton, the reference) refuses the map ``make_map(its good map)``
+    in the op's first map argument with the same message ``rule`` (the native binding's has no
+    op name) and writes nothing; a value rule, so the fake kernel leaves it alone."""
+    names = [a.name for a in _schema(op).arguments]
+    index = next(i for i, n in enumerate(names) if n.startswith("qmap"))
     backends = OPS[op].available("cpu")  # the float64 reference too: it refuses what kernels do
     assert any(b != "reference" for b in backends), "no kernel backend on the CPU"
     messages = {}
     for backend in backends:
         args, kwargs, outputs = inputs(op, "bf16", "fp32-master",
                                        torch.Generator().manual_seed(0))
-        args[index] = _map_without_plus_zero(kind)
+        args[index] = make_map(args[index])
         if backend == backends[0]:
             with FakeTensorMode() as fm:
                 getattr(torch.ops.mpfused, op).default(*_fake(fm, args), **_fake(fm, kwargs))
         before = _bits(outputs)
-        with pytest.raises(RuntimeError, match=rf"mpfused: ({op}: )?{name} \(signed map\) must "
-                                               r"hold \+0\.0 above its lowest entry") as error:
+        with pytest.raises(RuntimeError, match=rf"mpfused: ({op}: )?{names[index]} \(signed "
+                                               rf"map\) {rule}") as error:
             OPS[op](*args, **kwargs, backend=backend)
         messages[backend] = str(error.value).splitlines()[0].replace(f"{op}: ", "")
         assert all(torch.equal(a, b) for a, b in zip(_bits(outputs), before)), (backend,
                                                                                 "changed")
     assert set(messages) == set(backends), messages  # every backend raised, none skipped
     assert len(set(messages.values())) == 1, messages
+
+
+@pytest.mark.parametrize("kind", ["unsigned", "no-zero", "minus-zero"])
+@pytest.mark.parametrize("op", ["adam8bit_step_", "sgd8bit_step_", "lion8bit_step_"])
+def test_signed_map_without_plus_zero_refused_on_every_backend(op, kind):
+    _bad_map_refused_everywhere(op, lambda good: _map_without_plus_zero(kind),
+                                r"must hold \+0\.0 above its lowest entry")
 
 
 def test_fake_kernel_of_update_scale_checks_the_trackers():
@@ -369,30 +373,9 @@ def test_bound_op_refuses_missing_or_unknown_keywords():
                                 "sgd4bit_step_", "lion8bit_step_", "lion4bit_step_"])
 def test_unsorted_map_refused_on_every_backend(op):
     """A map must be strictly increasing (the codecs' thresholds are midpoints of neighbours):
-    every backend (native, Triton, the reference) refuses two swapped entries with the same
-    message (the native binding's has no op name: operand_checks.check_qmap / quant8_args.h
-    check_qmap_values) and writes nothing; a value rule, so the fake kernel leaves it alone."""
-    names = [a.name for a in _schema(op).arguments]
-    index = next(i for i, n in enumerate(names) if n.startswith("qmap"))
-    backends = OPS[op].available("cpu")  # the float64 reference too: it refuses what kernels do
-    assert any(b != "reference" for b in backends), "no kernel backend on the CPU"
-    messages = {}
-    for backend in backends:
-        args, kwargs, outputs = inputs(op, "bf16", "fp32-master",
-                                       torch.Generator().manual_seed(0))
-        q = args[index].clone()
+    two swapped entries (operand_checks.check_qmap / quant8_args.h check_qmap_values)."""
+    def swapped(good):
+        q = good.clone()
         q[[1, 2]] = q[[2, 1]]
-        args[index] = q
-        if backend == backends[0]:
-            with FakeTensorMode() as fm:
-                getattr(torch.ops.mpfused, op).default(*_fake(fm, args), **_fake(fm, kwargs))
-        before = _bits(outputs)
-        with pytest.raises(RuntimeError, match=rf"mpfused: ({op}: )?{names[index]} \(signed "
-                                               r"map\) must be strictly increasing \(sorted\)"
-                           ) as error:
-            OPS[op](*args, **kwargs, backend=backend)
-        messages[backend] = str(error.value).splitlines()[0].replace(f"{op}: ", "")
-        assert all(torch.equal(a, b) for a, b in zip(_bits(outputs), before)), (backend,
-                                                                                "changed")
-    assert set(messages) == set(backends), messages  # every backend raised, none skipped
-    assert len(set(messages.values())) == 1, messages
+        return q
+    _bad_map_refused_everywhere(op, swapped, r"must be strictly increasing \(sorted\)")
