@@ -90,6 +90,32 @@ def test_bench_release_tiny_run(tmp_path, monkeypatch):
     assert all(r["median_ms"] > 0 and r["rounds"] == 4 for r in rows.values())
 
 
+def test_bench_release_bucket_and_phases_tiny_runs(tmp_path, monkeypatch):
+    """bench_release --bucket-kib tags its file and builds the release recipes with that bucket
+    size (restored after); bench_release_phases times both pairs, whose models end equal."""
+    import benchmarks.common
+    from benchmarks.bench_release import main as bench_release
+    from benchmarks.bench_release_phases import PAIRS, main as phases
+    from mpfused.bench import recipes
+
+    monkeypatch.setattr(benchmarks.common, "RESULTS", tmp_path)
+    monkeypatch.setattr(recipes, "RELEASE_BUCKET_BYTES", recipes.RELEASE_BUCKET_BYTES)
+    path = bench_release(["--size", "tiny", "--rounds", "2", "--warmup", "1", "--bucket-kib", "1"])
+    assert "-1k-tiny" in str(path) and json.loads(open(path).read())["bucket_kib"] == 1
+    out = phases(["--size", "tiny", "--rounds", "2", "--warmup", "1", "--bucket-kib", "1"])
+    assert set(out) == {release for _, release in PAIRS}
+    for release, row in out.items():
+        assert row["same_params"] is True, release
+        assert all(row[f"{r}_total_ms"] > 0 for pair in PAIRS for r in pair if release in pair)
+
+
+def test_bench_scaler_host_tiny_run():
+    from benchmarks.bench_scaler_host import main as scaler_host
+    row = scaler_host(["1"])
+    assert set(row) == {"check_us", "raw_check_us", "unscale_us", "torch_us"}
+    assert all(v > 0 for v in row.values())
+
+
 @pytest.mark.parametrize("family,classes", [
     ("sgd", {"mpfused": "mpfused.SGD(", "mpfused-8bit": "mpfused.SGD8bit("}),
     ("lion", {"native": "TorchLion", "mpfused-8bit": "mpfused.Lion8bit("})])
