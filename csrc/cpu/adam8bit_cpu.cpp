@@ -240,7 +240,6 @@ void adam8bit_step(const TensorLists<7>& t, const double* step, const Adam8bitCo
   const Maps mp{c.map1, c.map2, &encoder_for(c.map1, c.zero_code1, ncodes),
                 &encoder_for(c.map2, -1, ncodes), c.zero_code1};
   const bool lut = mp.enc1->lut.exact && mp.enc2->lut.exact;
-  const std::vector<Chunk> chunks = make_chunks(t.numel, t.size);  // block-aligned (static_assert)
   const StepScalars<AdamScalars> ss =
       step_scalars<AdamScalars>(step, t.size, c.seed, [&c](double s) {
         return adam_scalars(c.lr, c.beta1, c.beta2, c.eps, c.weight_decay, c.decoupled,
@@ -252,15 +251,14 @@ void adam8bit_step(const TensorLists<7>& t, const double* step, const Adam8bitCo
   for (int64_t i = 0; i < t.size; ++i)
     kernels[i] = c.code_bits == 4 ? pick_kernel<4>(t.dtype[i], c.master_mode, lut)
                                   : pick_kernel<8>(t.dtype[i], c.master_mode, lut);
-  const int64_t nc = int64_t(chunks.size());
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (nc > 1)
-  for (int64_t k = 0; k < nc; ++k) {
-    const Chunk& ch = chunks[k];
+  // cut at whole blocks (chunks hold whole blocks: static_assert in quant8_cpu.h)
+  const Slices slices = make_slices(t.numel, t.size, num_threads, c.block_size);
+  for_each_slice(slices, num_threads, [&](const Chunk& ch) {
     void* ops[7];
     for (int d = 0; d < 7; ++d) ops[d] = t.data[d][ch.tensor];
     kernels[ch.tensor](ops, ch.begin, ch.end - ch.begin, c.block_size, scalars[ch.tensor], mp,
                        seeds[ch.tensor], c.streams[ch.tensor]);
-  }
+  });
 }
 
 }  // namespace mpfused::cpu

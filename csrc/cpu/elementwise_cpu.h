@@ -70,7 +70,6 @@ ElementwiseChunkFn<P> pick_elementwise_chunk(int32_t dtype, int mode) {
 template <typename P, int DEPTH>
 void elementwise_step(const TensorLists<DEPTH>& t, const double* step,
                       const typename P::Config& c, int num_threads) {
-  const std::vector<Chunk> chunks = make_chunks(t.numel, t.size);
   const size_t n = size_t(t.size);
   const StepScalars<typename P::Scalars> ss = step_scalars<typename P::Scalars>(
       step, t.size, c.seed, [&c](double s) { return P::scalars(c, s); });
@@ -79,15 +78,13 @@ void elementwise_step(const TensorLists<DEPTH>& t, const double* step,
   std::vector<ElementwiseChunkFn<P>> kernels(n);
   for (size_t i = 0; i < n; ++i)
     kernels[i] = pick_elementwise_chunk<P, DEPTH>(t.dtype[i], c.master_mode);
-  const int64_t nc = int64_t(chunks.size());
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (nc > 1)
-  for (int64_t k = 0; k < nc; ++k) {
-    const Chunk& ch = chunks[k];
+  // 64-element cuts: whole cache lines of every operand
+  for_each_slice(make_slices(t.numel, t.size, num_threads, 64), num_threads, [&](const Chunk& ch) {
     void* ops[DEPTH];
     for (int d = 0; d < DEPTH; ++d) ops[d] = t.data[d][ch.tensor];
     kernels[ch.tensor](ops, ch.begin, ch.end - ch.begin, scalars[ch.tensor], seeds[ch.tensor],
                        c.streams[ch.tensor]);
-  }
+  });
 }
 
 }  // namespace mpfused::cpu

@@ -180,29 +180,27 @@ StateChunkFn<U> pick_state8_kernel(int32_t dtype, int mode, bool lut, int code_b
   });
 }
 
-// The step over every tensor: upd[i] is tensor i's update (its scalars), block-aligned chunks
+// The step over every tensor: upd[i] is tensor i's update (its scalars), block-aligned slices
 // of all tensors in one OpenMP loop.
 template <class U>
 void state8bit_step(const TensorLists<5>& t, const double* step, const State8bitConfig& c,
                     const std::vector<U>& upd, int num_threads) {
   const StateMap sm{c.map, &encoder_for(c.map, c.zero_code, 1 << c.code_bits), c.zero_code};
   const bool lut = sm.enc->lut.exact;
-  const std::vector<Chunk> chunks = make_chunks(t.numel, t.size);  // block-aligned (kMaxBlock)
   std::vector<StateChunkFn<U>> kernels(size_t(t.size));
   std::vector<uint64_t> seeds(size_t(t.size));
   for (int64_t i = 0; i < t.size; ++i) {
     kernels[i] = pick_state8_kernel<U>(t.dtype[i], c.master_mode, lut, c.code_bits);
     seeds[i] = step_seed(c.seed, step[i]);
   }
-  const int64_t nc = int64_t(chunks.size());
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (nc > 1)
-  for (int64_t k = 0; k < nc; ++k) {
-    const Chunk& ch = chunks[k];
+  // cut at whole blocks (chunks hold whole blocks: kMaxBlock)
+  const Slices slices = make_slices(t.numel, t.size, num_threads, c.block_size);
+  for_each_slice(slices, num_threads, [&](const Chunk& ch) {
     void* ops[5];
     for (int d = 0; d < 5; ++d) ops[d] = t.data[d][ch.tensor];
     kernels[ch.tensor](ops, ch.begin, ch.end - ch.begin, c.block_size, upd[ch.tensor], sm,
                        seeds[ch.tensor], c.streams[ch.tensor]);
-  }
+  });
 }
 
 }  // namespace
