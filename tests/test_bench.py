@@ -109,6 +109,24 @@ def test_bench_release_bucket_and_phases_tiny_runs(tmp_path, monkeypatch):
         assert all(row[f"{r}_total_ms"] > 0 for pair in PAIRS for r in pair if release in pair)
 
 
+def test_bench_release_solo_worker_and_buckets(capsys):
+    """bench_release --processes' worker (--solo): one recipe alone prints its step times and
+    the digest of its final params, equal for the ordinary and the release recipe (release is
+    exact); bench_release_buckets times both pairs."""
+    from benchmarks.bench_release import main as bench_release
+    from benchmarks.bench_release_buckets import main as buckets
+
+    out = {}
+    for name in ("mpfused", "mpfused-release"):
+        bench_release(["--solo", name, "--size", "tiny", "--rounds", "2", "--warmup", "1"])
+        out[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert len(out[name]["times"]) == 2 and out[name]["n_params"] > 0
+    assert out["mpfused"]["digest"] == out["mpfused-release"]["digest"]
+    buckets(["--reps", "2"])
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and all("ratio" in line for line in lines[1:])
+
+
 def test_bench_scaler_host_tiny_run():
     from benchmarks.bench_scaler_host import main as scaler_host
     row = scaler_host(["1"])
