@@ -122,9 +122,20 @@ def test_bench_release_solo_worker_and_buckets(capsys):
         out[name] = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert len(out[name]["times"]) == 2 and out[name]["n_params"] > 0
     assert out["mpfused"]["digest"] == out["mpfused-release"]["digest"]
-    buckets(["--reps", "2"])
+    buckets(["--reps", "2", "--pollute-mib", "1"])
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 and all("ratio" in line for line in lines[1:])
+
+
+def test_bench_release_deferred_tiny_run(capsys, monkeypatch):
+    """bench_release_deferred: the three recipes train, release and deferred end bit-identical
+    (the deferral changes when, not what), and the release clocks ran."""
+    from benchmarks import bench_release_deferred
+
+    monkeypatch.setattr(bench_release_deferred, "WARMUP", 1)
+    bench_release_deferred.main(["--rounds", "1"])
+    out = capsys.readouterr().out
+    assert "end bit-identical: True" in out and "bucket releases in the backward" in out
 
 
 def test_bench_scaler_host_tiny_run():

@@ -1,0 +1,143 @@
+"""Where gradient release's step time goes (issue 23): the main job's model trained by three
+recipes alternating step by step in one process: the ordinary step, release, and release with
+every bucket's update deferred to the end of the backward (the same calls, back to back: a
+diagnostic patch of this process's handle; the grads then pile up). Reported per step: the
+whole step, backward + step against the ordinary, and the time inside the bucket releases (and
+in the native calls among it) in the backward and at its end, against the ordinary opt.step().
+In the backward minus deferred is what interleaving the updates with the backward's ops costs;
+deferred minus the ordinary step is what the split into buckets costs.
+
+    python -m benchmarks.bench_release_deferred [--threads 2] [--bucket-kib 256]
+        [--pair mpfused] [--rounds 50]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from mpfused.bench import recipes
+from mpfused.bench.data import VOCAB_SIZE, batch_offsets, load_stdlib_corpus, make_batch
+from mpfused.bench.model import CharGPT, GPTConfig
+from mpfused.bench.presets import SIZE_PRESETS
+from mpfused.ops import bound
+
+WARMUP = 10
+
+
+def build(pair: str, base, hp) -> dict:
+    cpu = torch.device("cpu")
+    setups = {k: recipes.RECIPES[pair + ("-release" if k != "ordinary" else "")].build(
+        base, cpu, torch.bfloat16, hp) for k in ("ordinary", "release", "deferred")}
+    clock = {"in": 0.0, "end": 0.0, "native": 0.0, "native_in": 0.0, "native_end": 0.0,
+             "step": 0.0, "where": None}
+    live = setups["release"].optimizer._grad_release
+    release = live._release
+
+    def timed(chunk):
+        clock["where"], t = "in", time.perf_counter()
+        release(chunk)
+        clock["in"] += time.perf_counter() - t
+        clock["where"] = None
+    live._release = timed
+    deferred, pending = setups["deferred"].optimizer._grad_release, []
+    release_later, end = deferred._release, deferred._end_backward
+
+    def hold(chunk):  # the bucket's ready set kept for the end of the backward
+        pending.append((chunk, set(chunk.ready)))
+        chunk.ready.clear()
+
+    def at_end():
+        clock["where"], t = "end", time.perf_counter()
+        for chunk, ready in pending:
+            chunk.ready.update(ready)
+            release_later(chunk)
+        clock["end"] += time.perf_counter() - t
+        clock["where"] = None
+        pending.clear()
+        end()
+    deferred._release, deferred._end_backward = hold, at_end
+    opt = setups["ordinary"].optimizer
+    step = opt.step
+
+    def timed_step(*a, **k):
+        t = time.perf_counter()
+        try:
+            return step(*a, **k)
+        finally:
+            clock["step"] += time.perf_counter() - t
+    opt.step = timed_step
+    return setups, clock
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--bucket-kib", type=int, default=recipes.RELEASE_BUCKET_BYTES >> 10)
+    ap.add_argument("--pair", default="mpfused", choices=["mpfused", "mpfused-8bit-remainder"])
+    ap.add_argument("--rounds", type=int, default=50)
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    recipes.RELEASE_BUCKET_BYTES = args.bucket_kib << 10
+    preset, corpus = SIZE_PRESETS["small"], load_stdlib_corpus()
+    ctx, n = preset.context_length, args.rounds + WARMUP
+    offsets = batch_offsets(len(corpus.train), ctx, preset.batch_size, n, 0)
+    torch.manual_seed(0)
+    base = CharGPT(GPTConfig(vocab_size=VOCAB_SIZE, context_length=ctx, n_layer=preset.n_layer,
+                             n_head=preset.n_head, d_model=preset.d_model))
+    setups, clock = build(args.pair, base, recipes.Hyperparameters(lr=preset.lr))
+    call = bound.BoundOp.__call__
+
+    def timed_call(self, *a, **k):  # the native calls (check + update) inside the releases
+        t = time.perf_counter()
+        try:
+            return call(self, *a, **k)
+        finally:
+            if clock["where"]:
+                clock["native_" + clock["where"]] += time.perf_counter() - t
+    bound.BoundOp.__call__ = timed_call
+    names = list(setups)
+    total, bwd_step = {k: [] for k in names}, {k: [] for k in names}
+    try:
+        for i in range(n):
+            if i == WARMUP:
+                clock.update({k: 0.0 for k in clock if k != "where"})
+            x, y = make_batch(corpus.train, offsets[i], ctx)
+            for k in names if i % 2 == 0 else names[::-1]:
+                s = setups[k]
+                t0 = time.perf_counter()
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = s.model(x, y)
+                t1 = time.perf_counter()
+                s.scaler.scale(loss).backward()
+                s.scaler.step(s.optimizer)
+                s.scaler.update()
+                s.optimizer.zero_grad(set_to_none=True)
+                t2 = time.perf_counter()
+                if i >= WARMUP:
+                    total[k].append(t2 - t0)
+                    bwd_step[k].append(t2 - t1)
+    finally:
+        bound.BoundOp.__call__ = call
+    med = statistics.median
+    same = all(torch.equal(a, b) for a, b in zip(setups["release"].model.parameters(),
+                                                 setups["deferred"].model.parameters()))
+    print(f"{torch.get_num_threads()} threads, {args.pair}, release buckets of {args.bucket_kib} "
+          f"KiB, {args.rounds} rounds; release and deferred end bit-identical: {same}")
+    for k in names:
+        d = med([a - b for a, b in zip(bwd_step[k], bwd_step["ordinary"])])
+        r = med([a / b for a, b in zip(total[k], total["ordinary"])])
+        print(f"  {k:9} step {med(total[k]) * 1e3:7.2f} ms   backward+step vs ordinary "
+              f"{d * 1e3:+6.3f} ms   step ratio {r:.4f}")
+    per = 1e3 / args.rounds
+    print(f"  per step: bucket releases in the backward {clock['in'] * per:.3f} ms (native "
+          f"{clock['native_in'] * per:.3f}), deferred to its end {clock['end'] * per:.3f} ms "
+          f"(native {clock['native_end'] * per:.3f}); the ordinary opt.step() "
+          f"{clock['step'] * per:.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
