@@ -1,6 +1,7 @@
 // Chunking shared by the CPU multi-tensor kernels: every tensor is cut into fixed-size chunks, the
 // chunks of all tensors form one flat work list processed by OpenMP. Reductions write one partial
-// per chunk and are combined in chunk order, so results do not depend on the thread count.
+// per chunk and are combined in chunk order, so results do not depend on the thread count. The
+// update kernels take the same list cut into one slice of equal elements per thread (make_slices).
 #pragma once
 #include <stdint.h>
 #include <vector>
