@@ -36,7 +36,8 @@ import torch
 
 from pathlib import Path
 
-from benchmarks.common import machine, print_table, round_order, write_results
+from benchmarks.common import (machine, print_table, round_order, timed_train_step,
+                               write_results)
 from mpfused.bench.data import VOCAB_SIZE, batch_offsets, load_stdlib_corpus, make_batch
 from mpfused.bench.model import CharGPT, GPTConfig
 from mpfused.bench.presets import SIZE_PRESETS
@@ -67,12 +68,7 @@ def make_steppers(size: str, dtype, names: list, seed: int, n_batches: int) -> d
         def step(setup=setup, counter=counter):
             inputs, targets = make_batch(corpus.train, offsets[counter[0] % n_batches], ctx)
             counter[0] += 1
-            with torch.autocast("cpu", dtype=dtype):
-                loss = setup.model(inputs, targets)
-            setup.scaler.scale(loss).backward()
-            setup.scaler.step(setup.optimizer)
-            setup.scaler.update()
-            setup.optimizer.zero_grad(set_to_none=True)
+            timed_train_step(setup, inputs, targets, dtype=dtype)
         out[name], models[name] = step, setup.model
     return out, models, sum(p.numel() for p in base.parameters())
 

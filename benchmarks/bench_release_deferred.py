@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from benchmarks.common import timed_train_step
 from mpfused.bench import recipes
 from mpfused.bench.data import VOCAB_SIZE, batch_offsets, load_stdlib_corpus, make_batch
 from mpfused.bench.model import CharGPT, GPTConfig
@@ -107,19 +108,10 @@ def main(argv=None):
                 clock.update({k: 0.0 for k in clock if k != "where"})
             x, y = make_batch(corpus.train, offsets[i], ctx)
             for k in names if i % 2 == 0 else names[::-1]:
-                s = setups[k]
-                t0 = time.perf_counter()
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    loss = s.model(x, y)
-                t1 = time.perf_counter()
-                s.scaler.scale(loss).backward()
-                s.scaler.step(s.optimizer)
-                s.scaler.update()
-                s.optimizer.zero_grad(set_to_none=True)
-                t2 = time.perf_counter()
+                t0, t1, _, t3 = timed_train_step(setups[k], x, y)
                 if i >= WARMUP:
-                    total[k].append(t2 - t0)
-                    bwd_step[k].append(t2 - t1)
+                    total[k].append(t3 - t0)
+                    bwd_step[k].append(t3 - t1)
     finally:
         bound.BoundOp.__call__ = call
     med = statistics.median

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from benchmarks.common import timed_train_step
 from mpfused.bench import recipes
 from mpfused.bench.data import VOCAB_SIZE, batch_offsets, load_stdlib_corpus, make_batch
 from mpfused.bench.model import CharGPT, GPTConfig
@@ -50,17 +51,7 @@ def main(argv=None):
         for k in range(n):
             inputs, targets = make_batch(corpus.train, offsets[k], ctx)
             for r in pair if k % 2 == 0 else pair[::-1]:
-                s = setups[r]
-                t0 = time.thread_time()
-                with torch.autocast("cpu", dtype=torch.bfloat16):
-                    loss = s.model(inputs, targets)
-                t1 = time.thread_time()
-                s.scaler.scale(loss).backward()
-                t2 = time.thread_time()
-                s.scaler.step(s.optimizer)
-                s.scaler.update()
-                s.optimizer.zero_grad(set_to_none=True)
-                t3 = time.thread_time()
+                t0, t1, t2, t3 = timed_train_step(setups[r], inputs, targets, time.thread_time)
                 if k >= args.warmup:
                     for key, v in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t3 - t0)):
                         times[r][key].append(v)

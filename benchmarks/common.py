@@ -40,6 +40,23 @@ def median_time(fn, device: str, warmup: int = 3, reps: int = 15) -> float:
     return statistics.median(times)
 
 
+def timed_train_step(setup, inputs, targets, clock=time.perf_counter,
+                     dtype=torch.bfloat16) -> tuple:
+    """One training step of a recipe's TrainSetup as the main job runs it (autocast forward,
+    scaled backward, scaler.step + update, zero_grad): the clock at its start, after the forward,
+    after the backward and at its end."""
+    t0 = clock()
+    with torch.autocast(inputs.device.type, dtype=dtype):
+        loss = setup.model(inputs, targets)
+    t1 = clock()
+    setup.scaler.scale(loss).backward()
+    t2 = clock()
+    setup.scaler.step(setup.optimizer)
+    setup.scaler.update()
+    setup.optimizer.zero_grad(set_to_none=True)
+    return t0, t1, t2, clock()
+
+
 def round_order(names: list, r: int) -> list:
     """The order of round r of a round-robin: rotated every round and reversed every other cycle
     of rotations (rotation alone keeps the cyclic order, so each contender would mostly run right
