@@ -111,9 +111,11 @@ def time_separate_processes(args, names: list) -> tuple[dict, dict, int]:
                    "--warmup", str(args.warmup), "--seed", str(args.seed),
                    "--bucket-kib", str(args.bucket_kib), "--threads",
                    str(torch.get_num_threads())]
-            out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True,
-                                            cwd=Path(__file__).resolve().parents[1]
-                                            ).stdout.strip().splitlines()[-1])
+            run = subprocess.run(cmd, capture_output=True, text=True,
+                                 cwd=Path(__file__).resolve().parents[1])
+            if run.returncode != 0:
+                raise RuntimeError(f"bench_release --solo {name} failed:\n{run.stderr}")
+            out = json.loads(run.stdout.strip().splitlines()[-1])
             medians[name].append(statistics.median(out["times"]))
             digests[name].add(out["digest"])
             n_params = out["n_params"]
@@ -121,6 +123,8 @@ def time_separate_processes(args, names: list) -> tuple[dict, dict, int]:
 
 
 def quartiles(xs):
+    if len(xs) < 2:  # (statistics.quantiles needs two points)
+        return xs[0], xs[0], xs[0]
     q = statistics.quantiles(xs, n=4)
     return q[0], statistics.median(xs), q[2]
 
@@ -165,7 +169,8 @@ def main(argv=None):
         for name in (ordinary, release):
             q1, med, q3 = quartiles(times[name])
             rows.append({"recipe": name, "median_ms": 1e3 * med, "q1_ms": 1e3 * q1,
-                         "q3_ms": 1e3 * q3, "rounds": args.rounds})
+                         "q3_ms": 1e3 * q3, "rounds": args.rounds,
+                         "processes": args.processes})  # quartiles over processes if > 0
         rows[-1].update(ratio_median=statistics.median(ratios),
                         ratio_per_block=[round(b, 3) for b in blocks], same_params=same)
     print(f"{machine()['cpu']}, {torch.get_num_threads()} threads, {args.size} preset "

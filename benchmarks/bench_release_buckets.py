@@ -65,7 +65,7 @@ def steppers(ordinary: str, release: str, base, hp, seed: int = 1, pollute=None)
                 took += time.perf_counter() - t
         handle._in_backward = False
         return took
-    sizes = [sum(r_params[i].numel() for i in c.order) for c in handle._chunks]
+    sizes = [sum(p.numel() for p in c.params) for c in handle._chunks]
     return ordinary_step, release_buckets, sizes
 
 

@@ -5,7 +5,9 @@ diagnostic patch of this process's handle; the grads then pile up). Reported per
 whole step, backward + step against the ordinary, and the time inside the bucket releases (and
 in the native calls among it) in the backward and at its end, against the ordinary opt.step().
 In the backward minus deferred is what interleaving the updates with the backward's ops costs;
-deferred minus the ordinary step is what the split into buckets costs.
+deferred minus the ordinary step is what the split into buckets costs. (The clocks around the
+native calls cost a little in every recipe, 7 times as often in the release ones at 256 KiB: the
+step ratios lean slightly against release.)
 
     python -m benchmarks.bench_release_deferred [--threads 2] [--bucket-kib 256]
         [--pair mpfused] [--rounds 50]
@@ -18,7 +20,7 @@ import time
 
 import torch
 
-from benchmarks.common import timed_train_step
+from benchmarks.common import round_order, timed_train_step
 from mpfused.bench import recipes
 from mpfused.bench.data import VOCAB_SIZE, batch_offsets, load_stdlib_corpus, make_batch
 from mpfused.bench.model import CharGPT, GPTConfig
@@ -32,8 +34,8 @@ def build(pair: str, base, hp) -> dict:
     cpu = torch.device("cpu")
     setups = {k: recipes.RECIPES[pair + ("-release" if k != "ordinary" else "")].build(
         base, cpu, torch.bfloat16, hp) for k in ("ordinary", "release", "deferred")}
-    clock = {"in": 0.0, "end": 0.0, "native": 0.0, "native_in": 0.0, "native_end": 0.0,
-             "step": 0.0, "where": None}
+    clock = {"in": 0.0, "end": 0.0, "native_in": 0.0, "native_end": 0.0, "step": 0.0,
+             "where": None}
     live = setups["release"].optimizer._grad_release
     release = live._release
 
@@ -51,6 +53,7 @@ def build(pair: str, base, hp) -> dict:
         chunk.ready.clear()
 
     def at_end():
+        end()  # (queues the buckets that are partly ready too)
         clock["where"], t = "end", time.perf_counter()
         for chunk, ready in pending:
             chunk.ready.update(ready)
@@ -58,7 +61,6 @@ def build(pair: str, base, hp) -> dict:
         clock["end"] += time.perf_counter() - t
         clock["where"] = None
         pending.clear()
-        end()
     deferred._release, deferred._end_backward = hold, at_end
     opt = setups["ordinary"].optimizer
     step = opt.step
@@ -107,7 +109,7 @@ def main(argv=None):
             if i == WARMUP:
                 clock.update({k: 0.0 for k in clock if k != "where"})
             x, y = make_batch(corpus.train, offsets[i], ctx)
-            for k in names if i % 2 == 0 else names[::-1]:
+            for k in round_order(names, i):
                 t0, t1, _, t3 = timed_train_step(setups[k], x, y)
                 if i >= WARMUP:
                     total[k].append(t3 - t0)
@@ -129,6 +131,7 @@ def main(argv=None):
           f"{clock['native_in'] * per:.3f}), deferred to its end {clock['end'] * per:.3f} ms "
           f"(native {clock['native_end'] * per:.3f}); the ordinary opt.step() "
           f"{clock['step'] * per:.3f} ms")
+    return {k: v * per for k, v in clock.items() if k != "where"}
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ inline std::vector<Chunk> make_chunks(const int64_t* numel, int64_t n, int64_t c
 // 128-element biases (gradient release's 256 KiB buckets of the main job's model: 66K elements
 // on one thread, 17K on the other; the whole model 347K against 289K). Slice s is
 // chunks[first[s] .. first[s + 1]): about total / count() elements, cut at multiples of `align`
-// inside a tensor (the 8-bit steps pass their block size), every chunk at most kChunkSize.
+// inside a tensor (the 8-bit steps pass their block size; `align` must divide kChunkSize, so a
+// block never straddles two chunks), every chunk at most kChunkSize.
 // Update kernels only: their results do not depend on the cuts; the reductions keep make_chunks.
 struct Slices {
   std::vector<Chunk> chunks;
@@ -88,11 +89,13 @@ inline Slices make_slices(const int64_t* numel, int64_t n, int max_slices, int64
   return s;
 }
 
-// f(chunk) for every chunk of the slices, one slice per thread (a smaller team takes several).
+// f(chunk) for every chunk of the slices, one slice per thread (a team smaller than the slice
+// count takes several each; no more threads than slices are started).
 template <class F>
 void for_each_slice(const Slices& s, int num_threads, F&& f) {
   const int64_t ns = s.count();
-#pragma omp parallel for schedule(static, 1) num_threads(num_threads) if (ns > 1)
+  const int team = ns < num_threads ? int(ns) : num_threads;
+#pragma omp parallel for schedule(static, 1) num_threads(team) if (ns > 1)
   for (int64_t k = 0; k < ns; ++k)
     for (int64_t c = s.first[k]; c < s.first[k + 1]; ++c) f(s.chunks[c]);
 }
