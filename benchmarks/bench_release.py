@@ -31,18 +31,16 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from pathlib import Path
-
 from benchmarks.common import (machine, print_table, round_order, timed_train_step,
                                write_results)
-from mpfused.bench.data import VOCAB_SIZE, batch_offsets, load_stdlib_corpus, make_batch
-from mpfused.bench.model import CharGPT, GPTConfig
+from benchmarks.main_job import main_job
 from mpfused.bench.presets import SIZE_PRESETS
 from mpfused.bench import recipes
-from mpfused.bench.recipes import RECIPES, RELEASE_BUCKET_BYTES, Hyperparameters
+from mpfused.bench.recipes import RECIPES, RELEASE_BUCKET_BYTES
 
 PAIRS = [("mpfused", "mpfused-release"),
          ("mpfused-8bit-remainder", "mpfused-8bit-remainder-release")]
@@ -52,25 +50,18 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 def make_steppers(size: str, dtype, names: list, seed: int, n_batches: int) -> dict:
     """One closure per recipe that trains one step on its next batch (the same batch sequence
     for every recipe), as mpfused/bench/train.py does; the models; the param count."""
-    preset = SIZE_PRESETS[size]
-    corpus = load_stdlib_corpus()
-    ctx = preset.context_length
-    offsets = batch_offsets(len(corpus.train), ctx, preset.batch_size, n_batches, seed)
-    torch.manual_seed(seed)
-    base = CharGPT(GPTConfig(vocab_size=VOCAB_SIZE, context_length=ctx, n_layer=preset.n_layer,
-                             n_head=preset.n_head, d_model=preset.d_model))
-    hp = Hyperparameters(lr=preset.lr)
+    job = main_job(size, seed, n_batches)
     out, models = {}, {}
     for name in names:
-        setup = RECIPES[name].build(base, torch.device("cpu"), dtype, hp)
+        setup = RECIPES[name].build(job.base, torch.device("cpu"), dtype, job.hp)
         counter = [0]
 
         def step(setup=setup, counter=counter):
-            inputs, targets = make_batch(corpus.train, offsets[counter[0] % n_batches], ctx)
+            inputs, targets = job.batch(counter[0])
             counter[0] += 1
             timed_train_step(setup, inputs, targets, dtype=dtype)
         out[name], models[name] = step, setup.model
-    return out, models, sum(p.numel() for p in base.parameters())
+    return out, models, sum(p.numel() for p in job.base.parameters())
 
 
 def time_round_robin(steppers: dict, rounds: int, warmup: int) -> dict:

@@ -19,10 +19,8 @@ import time
 
 import torch
 
+from benchmarks.main_job import main_job
 from mpfused.bench import recipes
-from mpfused.bench.data import VOCAB_SIZE
-from mpfused.bench.model import CharGPT, GPTConfig
-from mpfused.bench.presets import SIZE_PRESETS
 
 PAIRS = [("mpfused", "mpfused-release"),
          ("mpfused-8bit-remainder", "mpfused-8bit-remainder-release")]
@@ -79,18 +77,14 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     recipes.RELEASE_BUCKET_BYTES = args.bucket_kib << 10
-    preset = SIZE_PRESETS["small"]
-    torch.manual_seed(0)
-    base = CharGPT(GPTConfig(vocab_size=VOCAB_SIZE, context_length=preset.context_length,
-                             n_layer=preset.n_layer, n_head=preset.n_head, d_model=preset.d_model))
-    hp = recipes.Hyperparameters(lr=preset.lr)
+    job = main_job("small")
     med = statistics.median
     buf = torch.zeros(args.pollute_mib * 2**18)
     pollute = (lambda: buf.add_(1.0)) if args.pollute_mib else None
     print(f"{torch.get_num_threads()} threads, release buckets of {args.bucket_kib} KiB, "
           f"{args.pollute_mib} MiB written before each bucket")
     for ordinary, release in PAIRS:
-        fns = steppers(ordinary, release, base, hp, pollute=pollute)
+        fns = steppers(ordinary, release, job.base, job.hp, pollute=pollute)
         for _ in range(10):
             fns[0](), fns[1]()
         times = ([], [])

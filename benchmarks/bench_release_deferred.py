@@ -21,10 +21,8 @@ import time
 import torch
 
 from benchmarks.common import round_order, timed_train_step
+from benchmarks.main_job import main_job
 from mpfused.bench import recipes
-from mpfused.bench.data import VOCAB_SIZE, batch_offsets, load_stdlib_corpus, make_batch
-from mpfused.bench.model import CharGPT, GPTConfig
-from mpfused.bench.presets import SIZE_PRESETS
 from mpfused.ops import bound
 
 WARMUP = 10
@@ -85,13 +83,9 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     recipes.RELEASE_BUCKET_BYTES = args.bucket_kib << 10
-    preset, corpus = SIZE_PRESETS["small"], load_stdlib_corpus()
-    ctx, n = preset.context_length, args.rounds + WARMUP
-    offsets = batch_offsets(len(corpus.train), ctx, preset.batch_size, n, 0)
-    torch.manual_seed(0)
-    base = CharGPT(GPTConfig(vocab_size=VOCAB_SIZE, context_length=ctx, n_layer=preset.n_layer,
-                             n_head=preset.n_head, d_model=preset.d_model))
-    setups, clock = build(args.pair, base, recipes.Hyperparameters(lr=preset.lr))
+    n = args.rounds + WARMUP
+    job = main_job("small", 0, n)
+    setups, clock = build(args.pair, job.base, job.hp)
     call = bound.BoundOp.__call__
 
     def timed_call(self, *a, **k):  # the native calls (check + update) inside the releases
@@ -108,7 +102,7 @@ def main(argv=None):
         for i in range(n):
             if i == WARMUP:
                 clock.update({k: 0.0 for k in clock if k != "where"})
-            x, y = make_batch(corpus.train, offsets[i], ctx)
+            x, y = job.batch(i)
             for k in round_order(names, i):
                 t0, t1, _, t3 = timed_train_step(setups[k], x, y)
                 if i >= WARMUP:

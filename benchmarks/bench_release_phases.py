@@ -16,9 +16,8 @@ import time
 import torch
 
 from benchmarks.common import timed_train_step
+from benchmarks.main_job import main_job
 from mpfused.bench import recipes
-from mpfused.bench.data import VOCAB_SIZE, batch_offsets, load_stdlib_corpus, make_batch
-from mpfused.bench.model import CharGPT, GPTConfig
 from mpfused.bench.presets import SIZE_PRESETS
 
 PAIRS = [("mpfused", "mpfused-release"),
@@ -36,20 +35,16 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     recipes.RELEASE_BUCKET_BYTES = args.bucket_kib << 10  # read by the release recipes' builds
-    preset, corpus = SIZE_PRESETS[args.size], load_stdlib_corpus()
-    ctx, n = preset.context_length, args.rounds + args.warmup
-    offsets = batch_offsets(len(corpus.train), ctx, preset.batch_size, n, 0)
-    torch.manual_seed(0)
-    base = CharGPT(GPTConfig(vocab_size=VOCAB_SIZE, context_length=ctx, n_layer=preset.n_layer,
-                             n_head=preset.n_head, d_model=preset.d_model))
-    hp = recipes.Hyperparameters(lr=preset.lr)
+    n = args.rounds + args.warmup
+    job = main_job(args.size, 0, n)
     out = {}
     for pair in PAIRS:
-        setups = {r: recipes.RECIPES[r].build(base, torch.device("cpu"), torch.bfloat16, hp)
+        setups = {r: recipes.RECIPES[r].build(job.base, torch.device("cpu"), torch.bfloat16,
+                                              job.hp)
                   for r in pair}
         times = {r: {k: [] for k in PHASES} for r in pair}
         for k in range(n):
-            inputs, targets = make_batch(corpus.train, offsets[k], ctx)
+            inputs, targets = job.batch(k)
             for r in pair if k % 2 == 0 else pair[::-1]:
                 t0, t1, t2, t3 = timed_train_step(setups[r], inputs, targets, time.thread_time)
                 if k >= args.warmup:
