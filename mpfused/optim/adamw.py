@@ -98,13 +98,12 @@ class AdamW(FusedOptimizer):
     def _hyper(self, group, device) -> dict:
         return _hyper(group, device)
 
-    def _launch(self, b, grads, group, hyper, scaling) -> None:
-        """One fused kernel call for a bucket: lr, lr_tensor, beta1, beta2, eps, weight_decay in
-        `hyper`, grad_scale, found_inf, norm_sq, max_grad_norm, seed in `scaling` (keywords)."""
-        b.state["step_"](grads, **hyper, amsgrad=bool(group["amsgrad"]),
-                         maximize=bool(group["maximize"]),
-                         decoupled=bool(group["decoupled_weight_decay"]),
-                         master_mode=b.state["mode"], **scaling, backend=self._backend)
+    def _launch_args(self, b, group, hyper, scaling) -> tuple[tuple, dict]:
+        """adam_step_'s scalars: lr, lr_tensor, beta1, beta2, eps, weight_decay in `hyper`,
+        grad_scale, found_inf, norm_sq, max_grad_norm, seed in `scaling`; no operands."""
+        return (), dict(hyper, amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]),
+                        decoupled=bool(group["decoupled_weight_decay"]),
+                        master_mode=b.state["mode"], **scaling)
 
 
 class Adam(AdamW):

@@ -3,9 +3,9 @@
 A subclass says what is particular to its algorithm: its constructor and defaults, the state of a
 new param (``_init_state``: ``_start_state`` gives the dict with its step counter; the default
 adds nothing), its state keys in bitsandbytes' order (``_BNB_STATE_KEYS``), the operand
-lists and op of a bucket (``_fill_operands``), the scalars of a launch (``_hyper``, ``_launch``)
-and the group options its plans depend on (``_plan_extra``). The engine gives every optimizer the
-rest: master weights of 16-bit params (fp32, int16 remainder, int8 correction, stochastic rounding) and their
+lists and op of a bucket (``_fill_operands``), the scalars of a launch (``_hyper``,
+``_launch_args``) and the group options its plans depend on (``_plan_extra``). The engine gives
+every optimizer the rest: master weights of 16-bit params (fp32, int16 remainder, int8 correction, stochastic rounding) and their
 conversions, the state table whose writes re-plan the next step, buckets and bound operand lists,
 the scaler protocol (``check_grads``, in-kernel unscale and skip-on-inf), fused clipping
 (``max_grad_norm``), ``torch.compile``, pickling and the state_dict hooks that keep fp32 state fp32.
@@ -297,10 +297,16 @@ class FusedOptimizer(Optimizer):
         """The group's scalars as the op takes them, by keyword (a tensor lr on ``device``)."""
         raise NotImplementedError(f"{type(self).__name__} must define _hyper")
 
+    def _launch_args(self, b, group, hyper, scaling) -> tuple[tuple, dict]:
+        """The arguments of bucket ``b``'s op call after its grads: the operand tensors (passed
+        positionally) and the scalars (by keyword). ``hyper`` (``_hyper``) and ``scaling``
+        (grad_scale, found_inf, norm_sq, max_grad_norm, seed) are keyword dicts."""
+        raise NotImplementedError(f"{type(self).__name__} must define _launch_args")
+
     def _launch(self, b, grads, group, hyper, scaling) -> None:
-        """One op call for bucket ``b``: ``hyper`` (``_hyper``) and ``scaling`` (grad_scale,
-        found_inf, norm_sq, max_grad_norm, seed) are keyword dicts."""
-        raise NotImplementedError(f"{type(self).__name__} must define _launch")
+        """One op call for bucket ``b`` (its arguments: ``_launch_args``)."""
+        operands, scalars = self._launch_args(b, group, hyper, scaling)
+        b.state["step_"](grads, *operands, **scalars, backend=self._backend)
 
     # ---- step -------------------------------------------------------------------------------
     @step_entry

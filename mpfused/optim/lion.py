@@ -72,6 +72,6 @@ class Lion(FusedOptimizer):
                     lr_tensor=copy_to(lr, device) if tensor_lr else None, beta1=float(beta1),
                     beta2=float(beta2), weight_decay=float(group["weight_decay"]))
 
-    def _launch(self, b, grads, group, hyper, scaling) -> None:
-        b.state["step_"](grads, **hyper, maximize=bool(group["maximize"]),
-                         master_mode=b.state["mode"], **scaling, backend=self._backend)
+    def _launch_args(self, b, group, hyper, scaling) -> tuple[tuple, dict]:
+        return (), dict(hyper, maximize=bool(group["maximize"]), master_mode=b.state["mode"],
+                        **scaling)

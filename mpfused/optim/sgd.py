@@ -105,7 +105,6 @@ class SGD(FusedOptimizer):
                     momentum=float(group["momentum"]), dampening=float(group["dampening"]),
                     weight_decay=float(group["weight_decay"]))
 
-    def _launch(self, b, grads, group, hyper, scaling) -> None:
-        b.state["step_"](grads, **hyper, nesterov=bool(group["nesterov"]),
-                         maximize=bool(group["maximize"]), master_mode=b.state["mode"],
-                         **scaling, backend=self._backend)
+    def _launch_args(self, b, group, hyper, scaling) -> tuple[tuple, dict]:
+        return (), dict(hyper, nesterov=bool(group["nesterov"]), maximize=bool(group["maximize"]),
+                        master_mode=b.state["mode"], **scaling)

@@ -303,13 +303,13 @@ class State8bit:
                                  s["param_ids"], s["elem_offsets"])
 
     # ---- step: the 32-bit optimizer's, with 8-bit buckets launched on the 8-bit op -------------
-    def _launch(self, b, grads, group, hyper, scaling) -> None:
+    def _launch_args(self, b, group, hyper, scaling) -> tuple[tuple, dict]:
         s = b.state
         if not s["eight"]:
-            return super()._launch(b, grads, group, hyper, scaling)
-        s["step_"](grads, *s["qmaps"], block_size=int(group["block_size"]), **hyper,
-                   **self._flags_8bit(group), master_mode=s["mode"], **scaling,
-                   backend=self._backend)
+            return super()._launch_args(b, group, hyper, scaling)
+        return tuple(s["qmaps"]), dict(hyper, block_size=int(group["block_size"]),
+                                       **self._flags_8bit(group), master_mode=s["mode"],
+                                       **scaling)
 
     # ---- conversions -------------------------------------------------------------------------
     def to_torch_state_dict(self) -> dict:
