@@ -163,3 +163,15 @@ def test_bench_optimizer_choice_tiny_run(tmp_path, family, classes):
         assert r["status"] == "ok", (name, r.get("reason"))
         assert cls in r["optimizer"], (name, r["optimizer"])
         assert len(r["losses"]) == 3 and all(math.isfinite(x) for x in r["losses"]), name
+
+
+def test_bench_release_fixed_tiny_run(capsys, monkeypatch):
+    """bench_release_fixed: the three recipes train the nano char GPT and end bit-identical
+    (the prepared calls change how a bucket is launched, not what it computes)."""
+    from benchmarks import bench_release_fixed
+
+    monkeypatch.setattr(bench_release_fixed, "WARMUP", 2)
+    out = bench_release_fixed.main(["--rounds", "3"])
+    assert out["same_params"] is True
+    assert "all three end bit-identical: True" in capsys.readouterr().out
+    assert all(out[k]["step"] > 0 for k in ("ordinary", "release", "release, no prepared calls"))

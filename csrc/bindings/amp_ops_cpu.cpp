@@ -3,6 +3,7 @@
 
 #include "../cpu/amp_cpu.h"
 #include "common.h"
+#include "cpu_steps.h"
 #include "op_signatures.h"
 
 namespace mpfused::bind {
@@ -15,7 +16,8 @@ void amp_check_impl(at::TensorList grads, const at::Tensor& found_inf, const at:
   check_amp_args(grads, found_inf, inv_scale, norm_sq, norm_sq_per_tensor);
   PackedLists<1> packed({grads}, {write_back}, "grads");
   std::vector<float> per(packed.numel.size(), 0.f);
-  cpu::amp_check(packed.view(), inv_scale.item<float>(), write_back, found_inf.data_ptr<float>(),
+  // (inv_scale: a 1-element float32 CPU tensor, checked above; item() is a dispatcher call)
+  cpu::amp_check(packed.view(), cpu_scalar(inv_scale), write_back, found_inf.data_ptr<float>(),
                  norm_sq ? norm_sq->data_ptr<float>() : nullptr,
                  norm_sq_per_tensor ? per.data() : nullptr, at::get_num_threads());
   if (norm_sq_per_tensor) {
@@ -44,7 +46,7 @@ void update_scale_cpu(const at::Tensor& scale, const at::Tensor& growth_tracker,
                       bool consecutive_hysteresis) {
   check_update_scale_args(scale, growth_tracker, hysteresis_tracker, found_inf);
   update_scale(scale.data_ptr<float>(), growth_tracker.data_ptr<int32_t>(),
-               hysteresis_tracker.data_ptr<int32_t>(), found_inf.item<float>(),
+               hysteresis_tracker.data_ptr<int32_t>(), cpu_scalar(found_inf),
                ScaleUpdateParams{growth_factor, backoff_factor, growth_interval,
                                  int32_t(hysteresis), float(min_scale), float(max_scale),
                                  consecutive_hysteresis});

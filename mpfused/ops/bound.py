@@ -76,24 +76,36 @@ class BoundOp:
         call's found_inf must be ``found``."""
         self._pre = (check_grads, found, inv_scale, found_total, skipped)
 
+    def _goes_native(self, backend) -> bool:
+        """A call with this ``backend`` runs the native kernel through the bound lists."""
+        # BoundLists calls the dispatcher op: only where the router registered the native kernel
+        # is_compiling first: under torch.compile nothing here may build the ScriptClass
+        return ((backend is None or backend == "auto" or backend == "native")
+                and not torch.compiler.is_compiling()
+                and self.op.native_available(self.device_type)
+                and (self._native if self._native is not _UNBUILT else self.native()) is not None)
+
+    def released_native(self, backend: str | None):
+        """``BoundLists.released_<op>`` (``(check_grads, found, inv_scale, found_total, skipped,
+        grads, *operands, *ordered(scalars))``) where a call with this ``backend`` would run it;
+        else None. Gradient release calls it directly (release.py's prepared calls)."""
+        return self._released_step if self._goes_native(backend) and self._released else None
+
+    def ordered(self, scalars: dict):
+        """The keyword scalars in schema order, defaults filled in, as the native methods take
+        them (an iterable)."""
+        if scalars.keys() == self._names:  # the optimizers pass every keyword: one compare
+            return map(scalars.__getitem__, self._order)
+        self._check_keywords(scalars)
+        return [scalars.get(name, d) for name, d in self._keywords]
+
     def __call__(self, grads: list[torch.Tensor], *operands, backend: str | None = None,
                  **scalars):
         pre, self._pre = self._pre, None
-        # BoundLists calls the dispatcher op: only where the router registered the native kernel
-        # is_compiling first: under torch.compile nothing here may build the ScriptClass
-        if ((backend is None or backend == "auto" or backend == "native")
-                and not torch.compiler.is_compiling()
-                and self.op.native_available(self.device_type)
-                and (self._native if self._native is not _UNBUILT else self.native()) is not None
-                and (pre is None or self._released)):
-            if scalars.keys() == self._names:  # the optimizers pass every keyword: one compare
-                ordered = map(scalars.__getitem__, self._order)
-            else:
-                self._check_keywords(scalars)
-                ordered = [scalars.get(name, d) for name, d in self._keywords]
+        if self._goes_native(backend) and (pre is None or self._released):
             if pre is not None:
-                return self._released_step(*pre, grads, *operands, *ordered)
-            return self._step(grads, *operands, *ordered)
+                return self._released_step(*pre, grads, *operands, *self.ordered(scalars))
+            return self._step(grads, *operands, *self.ordered(scalars))
         if pre is not None:
             check_and_record(*pre, backend=backend)
         return self.op(self.lists[0], grads, *self.lists[1:], *operands, **scalars,

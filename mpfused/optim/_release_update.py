@@ -51,23 +51,73 @@ class BucketUpdate:
         elif not checked:  # one norm for the release bucket, from all its parts' sums of squares
             clip_sq = self._clip.check_and_estimate([gs for _, gs in parts], entry.clip_ids,
                                                     found, inv, total, self.skipped, opt._backend)
-        scaling = self._scaling.get(entry.device)
-        if scaling is None:  # once per device and backward: the same for every bucket
-            scaling = self._scaling[entry.device] = dict(
-                grad_scale=scale, found_inf=found, norm_sq=None,
-                max_grad_norm=float(opt.max_grad_norm or 0.0), seed=opt._seed)
+        scaling = self._scaling_on(entry.device)
         if clip_sq is not None:  # clip='previous': this bucket's norm estimate
             scaling = dict(scaling, norm_sq=clip_sq)
         try:
-            hyper = self._hypers.get((group_index, entry.device))
-            if hyper is None:  # once per group and backward (options change between steps)
-                hyper = self._hypers[(group_index, entry.device)] = opt._hyper(group,
-                                                                               entry.device)
+            hyper = self._hyper_on(group_index, entry.device)
             for b, gs in parts:
                 opt._launch(b, gs, group, hyper, scaling)
         finally:
             if first is not None:
                 first._pre = None  # (consumed by the first launch unless it failed before)
+
+    def _prepare_calls(self, device) -> None:
+        """At the backward's first grad (plain release): each release bucket's whole update as
+        one prepared native call, ``chunk.call``: the bucket's ``BoundLists.released_<op>`` with
+        this backward's flags, operands and scalars, exactly what ``_update`` would pass it.
+        Made here, in one loop, for the buckets that ``_update`` would update in one native
+        call (one planner bucket, the kernel plan made at an earlier step, native kernels, no
+        clip, on this device); the others (and a bucket released in part) take ``_update``.
+        Why: in the backward, between the autograd ops, each layer of Python that ``_update``
+        goes through runs cold; the prepared call skips them (-28 us a bucket on the 2-core VM,
+        benchmarks/results/release-prepared-calls-cpu2-2026-11-27.txt). The group's options are
+        read here, once per backward (``_update`` reads them at the group's first bucket)."""
+        for chunk in self._chunks:
+            chunk.call = None
+        if self._clip is not None:
+            return
+        opt = self.optimizer
+        if self._epoch != state_epoch() or opt.state is not self._state_obj:
+            return  # the plans are remade by the next _entry
+        key = (state_epoch(), opt.state)
+        for chunk in self._chunks:
+            entry = self._entries.get((chunk.group_index, chunk.order))
+            if entry is None or not entry.whole or entry.device != device:
+                continue
+            b = entry.parts[0][0]
+            op = b.state.get("step_")
+            released = op.released_native(opt._backend) if isinstance(op, BoundOp) else None
+            if released is None:
+                continue
+            scale, inv, found, total = self._flags_on(device)
+            operands, scalars = opt._launch_args(
+                b, opt.param_groups[chunk.group_index], self._hyper_on(chunk.group_index, device),
+                self._scaling_on(device))
+            chunk.call = (*key, released, (found, inv, total, self.skipped),
+                          (*operands, *op.ordered(scalars)))
+
+    def _hyper_on(self, group_index: int, device) -> dict:
+        """The group's ``_hyper`` on a device, once per group and backward (options change
+        between steps)."""
+        hyper = self._hypers.get((group_index, device))
+        if hyper is None:
+            opt = self.optimizer
+            hyper = self._hypers[(group_index, device)] = opt._hyper(
+                opt.param_groups[group_index], device)
+        return hyper
+
+    def _scaling_on(self, device) -> dict:
+        """The launches' scaling keywords without clip, once per device and backward: the same
+        for every bucket."""
+        scaling = self._scaling.get(device)
+        if scaling is None:
+            opt = self.optimizer
+            scale, _, found, _ = self._flags_on(device)
+            scaling = self._scaling[device] = dict(
+                grad_scale=scale, found_inf=found, norm_sq=None,
+                max_grad_norm=float(opt.max_grad_norm or 0.0), seed=opt._seed)
+        return scaling
 
     def _entry(self, group_index: int, ready: tuple, ready_grads: list) -> "_Entry":
         """The kernel plan of these ready params and how to feed it (cached: the same sets come

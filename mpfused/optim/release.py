@@ -64,6 +64,7 @@ from mpfused.optim._release_clip import PreviousNormClip
 from mpfused.optim._release_ddp import DDPRelease
 from mpfused.optim._release_fsdp import FSDPRelease
 from mpfused.optim._release_update import BucketUpdate
+from mpfused.optim._state_table import epoch as state_epoch
 
 __all__ = ["GradRelease", "step_in_backward"]
 
@@ -253,6 +254,7 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
                 return
             if not self._in_backward:
                 self._start_backward(p.device)
+                self._prepare_calls(p.device)
             ready.add(i)
             if len(ready) == size:
                 self._release(chunk)
@@ -291,7 +293,11 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
             params, grads = [params[k] for k in keep], [grads[k] for k in keep]
         if not ready:
             return
-        if not torch.is_grad_enabled():  # (a plain backward's hooks: no context to enter)
+        call = chunk.call
+        if (call is not None and ready is chunk.order and call[0] == state_epoch()
+                and call[1] is self.optimizer.state and not torch.is_grad_enabled()):
+            call[2](grads, *call[3], grads, *call[4])  # the prepared call (_prepare_calls)
+        elif not torch.is_grad_enabled():  # (a plain backward's hooks: no context to enter)
             self._update(chunk.group_index, ready, grads)
         else:  # backward(create_graph=True): the update records nothing
             with torch.no_grad():

@@ -1,0 +1,208 @@
+"""Gradient release's prepared calls (issue 23, release step time on CPU): at the backward's first
+grad each release bucket's whole update is made ready as one native call (``chunk.call``,
+``_release_update.BucketUpdate._prepare_calls``); a bucket released whole then makes that call
+instead of going through ``_update``. These tests pin that it computes exactly what ``_update``
+does when the options change between steps (LR scheduler, weight decay, betas, maximize, the
+loss scale), with non-finite grads and a scaler, and that it steps aside where the prepared call
+would be stale or wrong: a write to the optimizer state inside the backward, a bucket released
+in part, a backward with create_graph=True."""
+import pytest
+import torch
+
+import mpfused
+from mpfused.ops import OPS
+from mpfused.optim.release import GradRelease
+
+pytestmark = pytest.mark.skipif(not OPS["adam_step_"].native_available("cpu"),
+                                reason="prepared calls serve the native kernels only")
+
+CASES = {
+    "AdamW-bf16-master": (mpfused.AdamW, torch.bfloat16, {}),
+    "AdamW8bit-bf16-remainder": (mpfused.AdamW8bit, torch.bfloat16,
+                                 {"min_8bit_size": 512, "master_weights": "remainder"}),
+    "SGD-bf16-nesterov": (mpfused.SGD, torch.bfloat16, {"momentum": 0.9, "nesterov": True}),
+    "Lion-fp32": (mpfused.Lion, torch.float32, {}),
+}
+
+
+def _model(dtype):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.GELU(), torch.nn.Linear(48, 40),
+                               torch.nn.GELU(), torch.nn.Linear(40, 6)).to(dtype)
+
+
+def _snapshot(model, opt):
+    out = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        st = opt.state.get(p, {})
+        out += [st[k].clone() for k in sorted(st) if isinstance(st[k], torch.Tensor)]
+    return out
+
+
+def _change_options(opt, step):
+    """Options a user may change between steps: each step goes through a different set."""
+    g = opt.param_groups[0]
+    if step == 3 and "weight_decay" in g:
+        g["weight_decay"] = 0.05
+    if step == 5 and "betas" in g:
+        g["betas"] = (0.8, 0.95)
+    if step == 7 and "maximize" in g:
+        g["maximize"] = True
+
+
+def _train(case, prepared: bool, steps=10, scaler_on=True, counts=None):
+    """Release training with a LambdaLR (lr changes every step), options changed between steps,
+    NaN/inf in some grads on some steps and (fp16-style) a GradScaler; the final snapshot and
+    per step (skipped, found flags, scale). ``prepared=False``: the handle's _prepare_calls is
+    switched off, so every bucket goes through _update."""
+    cls, dtype, kwargs = CASES[case]
+    model = _model(dtype)
+    opt = cls(model.parameters(), lr=1e-2, **kwargs)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + 0.3 * s))
+    scaler = mpfused.GradScaler("cpu", init_scale=2.0**8, growth_interval=2) if scaler_on \
+        else None
+    release = mpfused.step_in_backward(opt, scaler=scaler, bucket_bytes=2048)
+    if not prepared:
+        release._prepare_calls = lambda device: None
+    params = list(model.parameters())
+    bad = {2: {0}, 6: {3, 5}}  # step -> params whose grad gets a NaN/inf
+    now = {"step": 0}
+
+    def poison(i):
+        def hook(g):
+            if i in bad.get(now["step"], ()):
+                g = g.clone()
+                g.view(-1)[0] = float("nan") if i % 2 else float("inf")
+            return g
+        return hook
+    for i, p in enumerate(params):
+        p.register_hook(poison(i))
+    gen = torch.Generator().manual_seed(3)
+    record = []
+    for step in range(steps):
+        now["step"] = step
+        _change_options(opt, step)
+        loss = model(torch.randn(5, 24, generator=gen).to(dtype)).float().square().mean()
+        n_updates = _count_updates(counts, lambda: (scaler.scale(loss) if scaler else loss)
+                                   .backward())
+        record.append((int(release.skipped), {d: float(f) for d, f in
+                                              release.found_inf_per_device().items()}))
+        if counts is not None:
+            counts.append((n_updates, sum(c.call is not None for c in release._chunks),
+                           len(release._chunks)))
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+            record.append(scaler.get_scale())
+        else:
+            opt.step()
+        opt.zero_grad()
+        sched.step()
+    return _snapshot(model, opt), record
+
+
+def _count_updates(counts, fn) -> int:
+    """How many release buckets went through _update while fn ran."""
+    if counts is None:
+        fn()
+        return 0
+    seen = []
+    orig = GradRelease._update
+
+    def spy(self, *a, **k):
+        seen.append(1)
+        return orig(self, *a, **k)
+    GradRelease._update = spy
+    try:
+        fn()
+    finally:
+        GradRelease._update = orig
+    return len(seen)
+
+
+@pytest.mark.parametrize("scaler_on", [True, False])
+@pytest.mark.parametrize("case", list(CASES))
+def test_prepared_calls_equal_the_update_path(case, scaler_on):
+    counts = []
+    a, rec_a = _train(case, True, scaler_on=scaler_on, counts=counts)
+    b, rec_b = _train(case, False, scaler_on=scaler_on)
+    assert rec_a == rec_b
+    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+    assert any(r[0] for r in rec_a if isinstance(r, tuple))  # the injected steps skipped
+    # the first backward plans the buckets (all through _update); from the second on every
+    # whole bucket is prepared: with one planner bucket per release bucket (all but the 8-bit
+    # case's mixed one), none goes through _update
+    n_chunks = counts[0][2]
+    assert counts[0][:2] == (n_chunks, 0)
+    for n_updates, n_prepared, _ in counts[1:]:
+        assert n_updates + n_prepared == n_chunks and n_prepared >= 1
+        if case != "AdamW8bit-bf16-remainder":
+            assert n_updates == 0
+
+
+def _run_with_state_write(release_on: bool):
+    """A hook on the first param released replaces the exp_avg of a param released later in
+    the same backward (a write to the optimizer state, which re-plans): the update must use
+    the new tensor. The ordinary step sees the same write before opt.step()."""
+    model = _model(torch.bfloat16)
+    params = list(model.parameters())
+    opt = mpfused.AdamW(params, lr=1e-2)
+    release = mpfused.step_in_backward(opt, bucket_bytes=600) if release_on else None
+    gen = torch.Generator().manual_seed(1)
+    fired = {"on": False}
+
+    def replace_state(_):
+        if fired["on"]:
+            st = opt.state[params[0]]
+            st["exp_avg"] = st["exp_avg"] * 0.5  # a new tensor
+            fired["on"] = False
+    params[-1].register_post_accumulate_grad_hook(replace_state)  # the last layer: first ready
+    updates = []
+    for step in range(4):
+        fired["on"] = step == 2
+        loss = model(torch.randn(5, 24, generator=gen).bfloat16()).float().square().mean()
+        updates.append(_count_updates([], loss.backward))
+        opt.step()
+        opt.zero_grad()
+    return _snapshot(model, opt), updates, release
+
+
+def test_a_state_write_in_the_backward_is_seen():
+    ordinary, _, _ = _run_with_state_write(False)
+    released, updates, release = _run_with_state_write(True)
+    assert len(ordinary) == len(released)
+    assert all(torch.equal(x, y) for x, y in zip(ordinary, released))
+    # step 2: the buckets after the write went through _update (re-planned), not the stale call
+    assert updates[1] == 0 and updates[2] >= 1 and updates[3] == 0
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+def test_partial_bucket_and_create_graph_take_the_update_path():
+    """A bucket with a param that gets no grad this step is released in part at the end of the
+    backward, and a backward with create_graph=True records nothing: both through _update,
+    both equal to the ordinary step."""
+    results = []
+    for release_on in (False, True):
+        model = _model(torch.float32)
+        params = list(model.parameters())
+        opt = mpfused.AdamW(params, lr=1e-2)
+        if release_on:
+            mpfused.step_in_backward(opt, bucket_bytes=1 << 20)  # one bucket: all params
+        gen = torch.Generator().manual_seed(2)
+        updates = []
+        for step in range(5):
+            x = torch.randn(5, 24, generator=gen)
+            if step == 2:  # the last layer's bias gets no grad: its bucket is partial
+                h = model[:4](x)
+                out = torch.nn.functional.linear(h, model[4].weight)
+                loss = out.square().mean()
+            else:
+                loss = model(x).square().mean()
+            graph = step == 3
+            updates.append(_count_updates([], lambda: loss.backward(create_graph=graph)))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        results.append((_snapshot(model, opt), updates))
+    (a, _), (b, updates) = results
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert updates == [1, 0, 1, 1, 0]
