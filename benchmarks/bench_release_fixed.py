@@ -2,6 +2,9 @@
 char GPT with its 41 param tensors (3 layers, 4 heads) but d_model 16, context 8 and one sequence
 per batch, so that what is left of a step is Python, dispatch and the autograd engine. Release
 buckets are sized to give about as many as the main job's small model has (7 of its 256 KiB).
+Unlike ``bench_release_host`` (tiny params whose grads all arrive back to back: the release's
+code runs hot), the model's backward ops run between the buckets, as in training, so each
+bucket's release runs cold (its code and data evicted by the ops in between).
 
 Three recipes, alternating step by step in one process (the order changing every round):
 ordinary (``loss.backward(); opt.step()``), release, and release with its prepared calls
