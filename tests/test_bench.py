@@ -175,3 +175,21 @@ def test_bench_release_fixed_tiny_run(capsys, monkeypatch):
     assert out["same_params"] is True
     assert "all three end bit-identical: True" in capsys.readouterr().out
     assert all(out[k]["step"] > 0 for k in ("ordinary", "release", "release, no prepared calls"))
+
+
+def test_bench_release_sweep_tiny_run(tmp_path, monkeypatch):
+    """bench_release_sweep: every bucket size trains bit-identically to the ordinary recipe,
+    smaller buckets keep fewer grads alive, the recipes' bucket size is restored."""
+    import benchmarks.common
+    from benchmarks import bench_release_sweep
+    from mpfused.bench import recipes
+
+    monkeypatch.setattr(benchmarks.common, "RESULTS", tmp_path)
+    monkeypatch.setattr(bench_release_sweep, "WARMUP", 1)
+    before = recipes.RELEASE_BUCKET_BYTES
+    rows = bench_release_sweep.main(["--size", "tiny", "--rounds", "2", "--kib", "4", "64"])
+    assert recipes.RELEASE_BUCKET_BYTES == before
+    assert [r["bucket_kib"] for r in rows] == ["-", 4, 64]
+    assert all(r["same_params"] for r in rows)
+    assert rows[1]["buckets"] > rows[2]["buckets"] >= 1
+    assert rows[1]["grads_alive_kib"] < rows[2]["grads_alive_kib"] <= rows[0]["grads_alive_kib"]
