@@ -70,7 +70,7 @@ class BucketUpdate:
         call (one planner bucket, the kernel plan made at an earlier step, native kernels, no
         clip, on this device); the others (and a bucket released in part) take ``_update``.
         Why: in the backward, between the autograd ops, each layer of Python that ``_update``
-        goes through runs cold; the prepared call skips them (-28 us a bucket on the 2-core VM,
+        goes through runs cold; the prepared call skips them (-10 to -19 us a bucket on a 2-core VM,
         benchmarks/results/release-prepared-calls-cpu2-2026-11-27.txt). The group's options are
         read here, once per backward (``_update`` reads them at the group's first bucket)."""
         for chunk in self._chunks:
