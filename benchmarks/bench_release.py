@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import (machine, print_table, round_order, timed_train_step,
+from benchmarks.common import (machine, print_table, round_order, round_robin, timed_train_step,
                                write_results)
 from benchmarks.main_job import main_job
 from mpfused.bench.presets import SIZE_PRESETS
@@ -65,17 +65,14 @@ def make_steppers(size: str, dtype, names: list, seed: int, n_batches: int) -> d
 
 
 def time_round_robin(steppers: dict, rounds: int, warmup: int) -> dict:
-    names = list(steppers)
-    for _ in range(warmup):
-        for n in names:
-            steppers[n]()
-    times = {n: [] for n in names}
-    for r in range(rounds):
-        for n in round_order(names, r):
+    """Seconds of each stepper's steps, round-robin (common.round_robin)."""
+    def timed(fn):
+        def run():
             t = time.perf_counter()
-            steppers[n]()
-            times[n].append(time.perf_counter() - t)
-    return times
+            fn()
+            return time.perf_counter() - t
+        return run
+    return round_robin({n: timed(fn) for n, fn in steppers.items()}, rounds, warmup)
 
 
 def solo(args) -> None:

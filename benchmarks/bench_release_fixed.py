@@ -18,11 +18,12 @@ its step less the ordinary step's (its fixed overhead per step). All three end b
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 
 import torch
 
-from benchmarks.common import machine, round_order, timed_train_step
+from benchmarks.common import machine, round_robin, timed_train_step
 from mpfused.bench import recipes
 from mpfused.bench.data import VOCAB_SIZE
 from mpfused.bench.model import CharGPT, GPTConfig
@@ -68,13 +69,7 @@ def main(argv=None) -> dict:
         t0, t1, t2, t3 = timed_train_step(setups[name], x, y)
         return t1 - t0, t2 - t1, t3 - t2, t3 - t0
     names = list(setups)
-    for _ in range(WARMUP):
-        for n in names:
-            step(n)
-    times = {n: [] for n in names}
-    for r in range(args.rounds):
-        for n in round_order(names, r):
-            times[n].append(step(n))
+    times = round_robin({n: functools.partial(step, n) for n in names}, args.rounds, WARMUP)
     m = machine()
     print(f"{m['cpu']}, {torch.get_num_threads()} threads, torch {m['torch']}, commit "
           f"{m['commit']}; {args.pair}, {n_buckets} release buckets, {args.rounds} rounds")

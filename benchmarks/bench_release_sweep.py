@@ -11,12 +11,13 @@ per-round step ratios release / ordinary. All models end bit-identical (bf16, no
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
 import torch
 
-from benchmarks.common import machine, print_table, round_order, timed_train_step, write_results
+from benchmarks.common import machine, print_table, round_robin, timed_train_step, write_results
 from benchmarks.main_job import main_job
 from mpfused.bench import recipes
 from mpfused.bench.recipes import RECIPES
@@ -72,13 +73,7 @@ def main(argv=None) -> list[dict]:
         t = time.perf_counter()
         timed_train_step(setups[n], inputs, targets)
         return time.perf_counter() - t
-    for _ in range(WARMUP):
-        for n in names:
-            step(n)
-    times = {n: [] for n in names}
-    for r in range(args.rounds):
-        for n in round_order(names, r):
-            times[n].append(step(n))
+    times = round_robin({n: functools.partial(step, n) for n in names}, args.rounds, WARMUP)
     full = peaks["ordinary"]
     first = list(setups["ordinary"].model.parameters())
     rows = []

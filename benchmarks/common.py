@@ -66,6 +66,20 @@ def round_order(names: list, r: int) -> list:
     return order[::-1] if (r // len(names)) % 2 else order
 
 
+def round_robin(fns: dict, rounds: int, warmup: int) -> dict:
+    """What each of fns returns, called in turns after ``warmup`` rounds: per round each fn once,
+    in the order of round_order (so drift of the machine hits every contender alike)."""
+    names = list(fns)
+    for _ in range(warmup):
+        for n in names:
+            fns[n]()
+    out = {n: [] for n in names}
+    for r in range(rounds):
+        for n in round_order(names, r):
+            out[n].append(fns[n]())
+    return out
+
+
 def side_by_side(fns: dict, device: str, warmup: int = 3, reps: int = 21) -> dict:
     """Median seconds of each fn, timed round-robin (a, b, c, a, b, c, ...) so that drift in the
     machine (other tenants, frequency, what the shared cache holds) hits every contender alike.

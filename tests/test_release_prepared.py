@@ -12,6 +12,7 @@ import torch
 import mpfused
 from mpfused.ops import OPS
 from mpfused.optim.release import GradRelease
+from tests.test_release import _inject_hooks
 
 pytestmark = pytest.mark.skipif(not OPS["adam_step_"].native_available("cpu"),
                                 reason="prepared calls serve the native kernels only")
@@ -64,19 +65,7 @@ def _train(case, prepared: bool, steps=10, scaler_on=True, counts=None):
     release = mpfused.step_in_backward(opt, scaler=scaler, bucket_bytes=2048)
     if not prepared:
         release._prepare_calls = lambda device: None
-    params = list(model.parameters())
-    bad = {2: {0}, 6: {3, 5}}  # step -> params whose grad gets a NaN/inf
-    now = {"step": 0}
-
-    def poison(i):
-        def hook(g):
-            if i in bad.get(now["step"], ()):
-                g = g.clone()
-                g.view(-1)[0] = float("nan") if i % 2 else float("inf")
-            return g
-        return hook
-    for i, p in enumerate(params):
-        p.register_hook(poison(i))
+    now = _inject_hooks(model, {2: {0}, 6: {3, 5}})  # NaN/inf in these params' grads
     gen = torch.Generator().manual_seed(3)
     record = []
     for step in range(steps):
