@@ -84,14 +84,9 @@ def side_by_side(fns: dict, device: str, warmup: int = 3, reps: int = 21) -> dic
     """Median seconds of each fn, timed round-robin (a, b, c, a, b, c, ...) so that drift in the
     machine (other tenants, frequency, what the shared cache holds) hits every contender alike.
     The order inside a round changes every round (round_order)."""
-    names = list(fns)
-    for _ in range(warmup):
-        for n in names:
-            fns[n]()
-    times = {n: [] for n in names}
-    for r in range(reps):
-        for n in round_order(names, r):
-            times[n].append(median_time(fns[n], device, warmup=0, reps=1))
+    def timed(fn):
+        return lambda: median_time(fn, device, warmup=0, reps=1)
+    times = round_robin({n: timed(fn) for n, fn in fns.items()}, reps, warmup)
     return {n: statistics.median(t) for n, t in times.items()}
 
 
