@@ -143,6 +143,18 @@ def test_grads_are_freed_during_the_backward():
     assert peaks[True] <= 2 * 1200 + max(sizes) < sum(sizes) / 2
 
 
+def _finish_step(opt, scaler, record) -> None:
+    """What follows a release backward: scaler.step(opt) and update (the new scale appended to
+    record) or opt.step(), then zero_grad (both no-ops for the params under release)."""
+    if scaler:
+        scaler.step(opt)
+        scaler.update()
+        record.append(scaler.get_scale())
+    else:
+        opt.step()
+    opt.zero_grad()
+
+
 def _inject_hooks(model, plan):
     """plan: {step: set of param indices}; the hooks write NaN/inf into those params' grads."""
     state = {"step": 0}

@@ -12,6 +12,7 @@ import mpfused
 from mpfused.ops import OPS
 from mpfused.ops import adam as adam_ops
 from mpfused.ops.bound import BoundOp, check_and_record
+from tests.test_release import _finish_step
 
 NATIVE = OPS["adam_step_"].native_available("cpu")
 needs_native = pytest.mark.skipif(not NATIVE, reason="needs the native CPU kernels")
@@ -86,13 +87,7 @@ def _run(case, fused: bool, monkeypatch, steps=10, bucket_bytes=4000):
             (scaler.scale(loss) if scaler else loss).backward()
             found = {d: float(f) for d, f in release.found_inf_per_device().items()}
             record.append((int(release.skipped), found))
-            if scaler:
-                scaler.step(opt)
-                scaler.update()
-                record.append(scaler.get_scale())
-            else:
-                opt.step()
-            opt.zero_grad()
+            _finish_step(opt, scaler, record)
         n_chunks = len(release._chunks)
         release.remove()
     return _snapshot(model, opt), record, n_chunks

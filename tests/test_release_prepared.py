@@ -6,13 +6,15 @@ does when the options change between steps (LR scheduler, weight decay, betas, m
 loss scale), with non-finite grads and a scaler, and that it steps aside where the prepared call
 would be stale or wrong: a write to the optimizer state inside the backward, a bucket released
 in part, a backward with create_graph=True."""
+import collections
+
 import pytest
 import torch
 
 import mpfused
 from mpfused.ops import OPS
 from mpfused.optim.release import GradRelease
-from tests.test_release import _inject_hooks
+from tests.test_release import _finish_step, _inject_hooks
 
 pytestmark = pytest.mark.skipif(not OPS["adam_step_"].native_available("cpu"),
                                 reason="prepared calls serve the native kernels only")
@@ -79,13 +81,7 @@ def _train(case, prepared: bool, steps=10, scaler_on=True, counts=None):
         if counts is not None:
             counts.append((n_updates, sum(c.call is not None for c in release._chunks),
                            len(release._chunks)))
-        if scaler:
-            scaler.step(opt)
-            scaler.update()
-            record.append(scaler.get_scale())
-        else:
-            opt.step()
-        opt.zero_grad()
+        _finish_step(opt, scaler, record)
         sched.step()
     return _snapshot(model, opt), record
 
@@ -195,3 +191,65 @@ def test_partial_bucket_and_create_graph_take_the_update_path():
     (a, _), (b, updates) = results
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert updates == [1, 0, 1, 1, 0]
+
+
+def _run_between_steps(change, release_on: bool, cls=mpfused.AdamW, kwargs=None, steps=5):
+    """Train 5 steps; ``change(opt, step)`` runs before each backward."""
+    model = _model(torch.bfloat16)
+    opt = cls(model.parameters(), lr=1e-2, **(kwargs or {}))
+    if release_on:
+        mpfused.step_in_backward(opt, bucket_bytes=2048)
+    gen = torch.Generator().manual_seed(4)
+    for step in range(steps):
+        change(opt, step)
+        model(torch.randn(5, 24, generator=gen).bfloat16()).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return _snapshot(model, opt)
+
+
+def _replace_state_table(opt, step):
+    """A new state table (not a write to the tracked one) holding new, halved moments."""
+    if step == 3:
+        new = collections.defaultdict(dict)
+        for p, st in opt.state.items():
+            new[p] = {k: (v * 0.5 if k == "exp_avg" else v) for k, v in st.items()}
+        opt.state = new
+
+
+def _toggle_plan_options(opt, step):
+    """Options the kernel plan depends on: amsgrad on (a new state key), master_weights."""
+    g = opt.param_groups[0]
+    if step == 2:
+        g["amsgrad"] = True
+    if step == 3:
+        g["master_weights"] = "remainder"
+
+
+@pytest.mark.parametrize("change", [_replace_state_table, _toggle_plan_options])
+def test_changes_between_steps_re_plan(change):
+    ordinary = _run_between_steps(change, False)
+    released = _run_between_steps(change, True)
+    assert len(ordinary) == len(released)
+    assert all(torch.equal(x, y) for x, y in zip(ordinary, released))
+
+
+def test_a_subclass_launch_is_called_for_every_bucket():
+    """A subclass that overrides _launch (not _launch_args) gets every release bucket's launch
+    through it, on every backward: the prepared calls step aside."""
+    launches, now = [], [0]
+
+    class Counting(mpfused.AdamW):
+        def _launch(self, b, grads, group, hyper, scaling):
+            launches.append(now[0])
+            super()._launch(b, grads, group, hyper, scaling)
+
+    def mark(opt, step):
+        now[0] = step
+    ordinary = _run_between_steps(mark, False, cls=Counting)
+    launches.clear()
+    released = _run_between_steps(mark, True, cls=Counting)
+    assert all(torch.equal(x, y) for x, y in zip(ordinary, released))
+    per_step = collections.Counter(launches)  # every backward launches every bucket
+    assert sorted(per_step) == list(range(5)) and len(set(per_step.values())) == 1
+    assert per_step[0] > 1  # (several release buckets)

@@ -39,8 +39,10 @@ class _Entry:
     """A release bucket's update, made once per (group, ready params): the planner's buckets,
     each with the getter of its grads from the release bucket's (``ready`` order), their
     device and, with clip='previous', the params' flat positions. ``whole``: one planner bucket
-    whose grads are the release bucket's, in ``ready`` order (no getter needed)."""
-    __slots__ = ("parts", "device", "clip_ids", "whole")
+    whose grads are the release bucket's, in ``ready`` order (no getter needed). ``options``:
+    the group's plan options it was made with (``_plan_options``: a change re-plans)."""
+    __slots__ = ("parts", "device", "clip_ids", "whole", "options")
 
-    def __init__(self, parts: list, device, clip_ids, whole: bool = False):
+    def __init__(self, parts: list, device, clip_ids, whole: bool = False, options=()):
         self.parts, self.device, self.clip_ids, self.whole = parts, device, clip_ids, whole
+        self.options = options

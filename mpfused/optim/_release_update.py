@@ -11,6 +11,7 @@ import torch
 from mpfused.ops.bound import BoundOp, check_and_record
 from mpfused.optim._release_buckets import _Entry
 from mpfused.optim._state_table import epoch as state_epoch, tracked
+from mpfused.optim.engine import FusedOptimizer
 
 
 class BucketUpdate:
@@ -72,18 +73,22 @@ class BucketUpdate:
         Why: in the backward, between the autograd ops, each layer of Python that ``_update``
         goes through runs cold; the prepared call skips them (-10 to -19 us a bucket on a 2-core VM,
         benchmarks/results/release-prepared-calls-cpu2-2026-11-27.txt). The group's options are
-        read here, once per backward (``_update`` reads them at the group's first bucket)."""
+        read here, once per backward: an option changed by a hook inside the backward is seen
+        from the next backward on (``_update`` reads the scalars at the group's first bucket,
+        the flags at each launch; the ordinary step reads all of them after the backward)."""
         for chunk in self._chunks:
             chunk.call = None
-        if self._clip is not None:
-            return
         opt = self.optimizer
+        if self._clip is not None or type(opt)._launch is not FusedOptimizer._launch:
+            return  # (a subclass's own _launch: every launch must go through it)
         if self._epoch != state_epoch() or opt.state is not self._state_obj:
             return  # the plans are remade by the next _entry
         key = (state_epoch(), opt.state)
+        options = [opt._plan_options(g) for g in opt.param_groups]
         for chunk in self._chunks:
             entry = self._entries.get((chunk.group_index, chunk.order))
-            if entry is None or not entry.whole or entry.device != device:
+            if (entry is None or not entry.whole or entry.device != device
+                    or entry.options != options[chunk.group_index]):
                 continue
             b = entry.parts[0][0]
             op = b.state.get("step_")
@@ -121,14 +126,15 @@ class BucketUpdate:
 
     def _entry(self, group_index: int, ready: tuple, ready_grads: list) -> "_Entry":
         """The kernel plan of these ready params and how to feed it (cached: the same sets come
-        every step), made by the optimizer's own planner; remade after a write to the state, as
-        step() does."""
+        every step), made by the optimizer's own planner; remade after a write to the state or
+        a change of the group's plan options (``_plan_options``: amsgrad, master_weights, ...),
+        as step() does."""
         opt = self.optimizer
         if self._epoch != state_epoch() or opt.state is not self._state_obj:
             opt.state = tracked(opt.state)
             self._entries = {}
         entry = self._entries.get((group_index, ready))
-        if entry is None:
+        if entry is None or entry.options != opt._plan_options(opt.param_groups[group_index]):
             entry = self._entries[(group_index, ready)] = self._make_entry(group_index, ready,
                                                                            ready_grads)
             self._epoch, self._state_obj = state_epoch(), opt.state
@@ -151,7 +157,7 @@ class BucketUpdate:
             clip_ids = torch.tensor([base + i for b in plan.buckets for i in b.indices],
                                     device=self.skipped.device)
         whole = len(plan.buckets) == 1 and tuple(plan.buckets[0].indices) == tuple(ready)
-        return _Entry(parts, device, clip_ids, whole)
+        return _Entry(parts, device, clip_ids, whole, opt._plan_options(group))
 
     def _flags_on(self, device) -> tuple:
         """(grad_scale, inverse scale, the bucket's found flag, the backward's found flag) on a

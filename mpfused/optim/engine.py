@@ -210,7 +210,7 @@ class FusedOptimizer(Optimizer):
 
     def _plan(self, index: int, group, grads, cache: bool = True) -> GroupPlan:
         params = group["params"]
-        extra = self._plan_extra(group)
+        extra = self._plan_options(group)
         plan = self._plans.get(index) if cache else None
         if plan is not None and plan.matches(params, grads, extra):
             return plan
@@ -268,6 +268,11 @@ class FusedOptimizer(Optimizer):
     def _plan_extra(self, group) -> tuple:
         """The group options the plans depend on (a change re-plans)."""
         return (group["master_weights"],)
+
+    def _plan_options(self, group) -> tuple:
+        """Everything a group's plan depends on besides its params and grads: ``_plan_extra``,
+        and what a state-format layer adds (State8bit); gradient release re-plans on it too."""
+        return self._plan_extra(group)
 
     def _sync_extra_state(self, group, p) -> None:
         """State keys the group's options need beyond the masters (e.g. amsgrad's)."""

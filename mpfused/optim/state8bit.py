@@ -255,10 +255,13 @@ class State8bit:
         self._convert_state(group, p, to_8bit=True)
 
     # ---- kernel plan: 8-bit and fp32-state params in separate buckets ---------------------------
+    def _plan_options(self, group) -> tuple:
+        return (*self._plan_extra(group), group["optim_bits"], group["block_size"],
+                group["min_8bit_size"], _overrides_epoch())
+
     def _plan(self, index: int, group, grads, cache: bool = True) -> GroupPlan:
         params = group["params"]
-        extra = (*self._plan_extra(group), group["optim_bits"], group["block_size"],
-                 group["min_8bit_size"], _overrides_epoch())
+        extra = self._plan_options(group)
         plan = self._plans.get(index) if cache else None
         if plan is not None and plan.matches(params, grads, extra):
             return plan
