@@ -14,7 +14,7 @@ import torch
 import mpfused
 from mpfused.ops import OPS
 from mpfused.optim.release import GradRelease
-from tests.test_release import _finish_step, _inject_hooks
+from tests.test_release import _finish_step, _inject_hooks, _model, _snapshot
 
 pytestmark = pytest.mark.skipif(not OPS["adam_step_"].native_available("cpu"),
                                 reason="prepared calls serve the native kernels only")
@@ -26,20 +26,6 @@ CASES = {
     "SGD-bf16-nesterov": (mpfused.SGD, torch.bfloat16, {"momentum": 0.9, "nesterov": True}),
     "Lion-fp32": (mpfused.Lion, torch.float32, {}),
 }
-
-
-def _model(dtype):
-    torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.GELU(), torch.nn.Linear(48, 40),
-                               torch.nn.GELU(), torch.nn.Linear(40, 6)).to(dtype)
-
-
-def _snapshot(model, opt):
-    out = [p.detach().clone() for p in model.parameters()]
-    for p in model.parameters():
-        st = opt.state.get(p, {})
-        out += [st[k].clone() for k in sorted(st) if isinstance(st[k], torch.Tensor)]
-    return out
 
 
 def _change_options(opt, step):
