@@ -14,6 +14,10 @@ Rules (README, "Gradient release"):
   hand, as DCP's ``get_state_dict`` does to make the state it loads into: that ``step()`` is
   the ordinary one. ``scaler.step(opt)`` hands the scaler what the backward found;
   ``scaler.update()`` backs off as usual.
+* Group options (lr, betas, weight decay, flags, master_weights, ...) changed between steps take
+  effect at the next step, as with ``opt.step()`` (a changed plan option re-plans); one changed
+  by a hook inside a backward, from the next backward at the latest (the options are read at
+  the backward's first grad).
 * Gradient accumulation: backward passes under ``with release.accumulate():`` keep their grads;
   the next backward outside it steps with the accumulated grads and frees them (exact).
 * Non-finite grads: every release bucket (``bucket_bytes`` of params adjacent in backward order;
