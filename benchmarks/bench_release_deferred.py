@@ -88,14 +88,21 @@ def timed_native(fn, clock):
 
 
 def _timing_prepared(prepare, handle, clock):
-    """The handle's _prepare_calls, each prepared native call timed (timed_native)."""
+    """The handle's _prepare_calls, each armed native call (an ``ArmedStep``) timed
+    (timed_native)."""
     def prepare_timed(device):
         prepare(device)
         for chunk in handle._chunks:
             if chunk.call is not None:
                 c = chunk.call
-                chunk.call = (*c[:2], timed_native(c[2], clock), *c[3:])
+                chunk.call = (*c[:2], _TimedArmed(timed_native(c[2].run, clock)), *c[3:])
     return prepare_timed
+
+
+class _TimedArmed:
+    """An armed step whose run() is timed."""
+    def __init__(self, run):
+        self.run = run
 
 
 def main(argv=None):

@@ -7,12 +7,14 @@ loss scale), with non-finite grads and a scaler, and that it steps aside where t
 would be stale or wrong: a write to the optimizer state inside the backward, a bucket released
 in part, a backward with create_graph=True."""
 import collections
+import math
 
 import pytest
 import torch
 
 import mpfused
 from mpfused.ops import OPS
+from mpfused.optim._release_update import _brought_to
 from mpfused.optim.release import GradRelease
 from tests.test_release import _finish_step, _inject_hooks, _model, _snapshot
 
@@ -60,13 +62,16 @@ def _train(case, prepared: bool, steps=10, scaler_on=True, counts=None):
         now["step"] = step
         _change_options(opt, step)
         loss = model(torch.randn(5, 24, generator=gen).to(dtype)).float().square().mean()
+        armed = [c.armed and c.armed[2] for c in release._chunks]
         n_updates = _count_updates(counts, lambda: (scaler.scale(loss) if scaler else loss)
                                    .backward())
         record.append((int(release.skipped), {d: float(f) for d, f in
                                               release.found_inf_per_device().items()}))
         if counts is not None:
             counts.append((n_updates, sum(c.call is not None for c in release._chunks),
-                           len(release._chunks)))
+                           len(release._chunks),
+                           sum(c.armed is not None and c.armed[2] is not a
+                               for c, a in zip(release._chunks, armed))))
         _finish_step(opt, scaler, record)
         sched.step()
     return _snapshot(model, opt), record
@@ -105,10 +110,82 @@ def test_prepared_calls_equal_the_update_path(case, scaler_on):
     # case's mixed one), none goes through _update
     n_chunks = counts[0][2]
     assert counts[0][:2] == (n_chunks, 0)
-    for n_updates, n_prepared, _ in counts[1:]:
+    for n_updates, n_prepared, _, _ in counts[1:]:
         assert n_updates + n_prepared == n_chunks and n_prepared >= 1
         if case != "AdamW8bit-bf16-remainder":
             assert n_updates == 0
+    # armed once (step 1) and again only where a non-float option changed (maximize, step 7):
+    # the scheduler's lr (every step), weight_decay and betas are set in the armed steps
+    armed_anew = [c[3] for c in counts]
+    assert armed_anew[1] == counts[1][1]
+    assert [k for k, n in enumerate(armed_anew) if n] == [1, 7]
+
+
+class _FakeArmed:
+    """An ArmedStep stand-in for _brought_to: records set() calls; ``doubles``: the indices
+    that hold a double."""
+    def __init__(self, doubles):
+        self.doubles, self.sets = doubles, []
+
+    def set(self, i, v):
+        self.sets.append((i, v))
+        return i in self.doubles
+
+
+def test_brought_to_sets_changed_floats_and_refuses_the_rest():
+    t, u = torch.zeros(()), torch.zeros(())
+    armed = (0.1, None, 0.9, True, 1, t)
+    step = _FakeArmed({0, 2})
+    assert _brought_to(step, armed, armed) and step.sets == []
+    assert _brought_to(step, armed, (0.2, None, 0.9, True, 1, t)) and step.sets == [(0, 0.2)]
+    cases = [
+        ((0.1, None, 0.9, True, 1, u), []),  # another tensor: armed again
+        ((0.1, None, 0.9, False, 1, t), []),  # a bool
+        ((0.1, None, 0.9, True, 2, t), []),  # an int
+        ((0.1, t, 0.9, True, 1, t), []),  # None -> a tensor
+        ((0.1, None, 0.9, True, 1), []),  # another length
+        ((0.1, 0.5, 0.9, True, 1, t), []),  # None -> a float
+    ]
+    for args, sets in cases:
+        step = _FakeArmed({0, 2})
+        assert not _brought_to(step, armed, args), args
+        assert step.sets == sets
+    step = _FakeArmed({0, 2})  # a zero's sign is set; a NaN is set again every time
+    assert _brought_to(step, (0.0, None, 0.9, True, 1, t), (-0.0, None, math.nan, True, 1, t))
+    assert [i for i, _ in step.sets] == [0, 2] and math.copysign(1.0, step.sets[0][1]) < 0
+    assert not _brought_to(_FakeArmed({2}), (0.1,), (0.2,))  # not a double there: armed again
+
+
+def test_armed_step_contract():
+    """The native ArmedStep: set() takes doubles only, by index after the grads; run() with a
+    param that has no grad does nothing and says so; run() frees the grads."""
+    model = _model(torch.bfloat16)
+    opt = mpfused.AdamW(model.parameters(), lr=1e-2)
+    release = mpfused.step_in_backward(opt, bucket_bytes=1 << 20)
+    for _ in range(2):
+        model(torch.randn(5, 24).bfloat16()).float().square().mean().backward()
+        opt.step()
+    chunk = release._chunks[0]
+    op, args, step = chunk.armed
+    doubles = [i for i, a in enumerate(args) if type(a) is float]
+    assert doubles and all(step.set(i, args[i]) for i in doubles)
+    assert not any(step.set(i, 1.0) for i in range(len(args)) if i not in doubles)
+    assert not step.set(-1, 1.0) and not step.set(len(args), 1.0)
+    params = chunk.params
+    before = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    params[0].grad = None
+    assert not step.run()
+    assert all(torch.equal(a, p) for a, p in zip(before, params))
+    assert params[0].grad is None and all(p.grad is not None for p in params[1:])
+    params[0].grad = torch.ones_like(params[0])
+    release._start_backward(params[0].device, queue_end=False)
+    release._prepare_calls(params[0].device)  # this backward's flags
+    release._in_backward = False
+    assert chunk.armed[2] is step and step.run()
+    assert all(p.grad is None for p in params)
+    assert not any(torch.equal(a, p) for a, p in zip(before, params))
 
 
 def _run_with_state_write(release_on: bool):

@@ -6,7 +6,10 @@
 // the lists' device; nothing here is device specific. Each step method has a released_ twin for
 // gradient release: the release bucket's non-finite check and the step in one call
 // (release_check below). Both are made by one template from the op's C++ signature
-// (StepMethods): a new step op is one line of the registration at the end.
+// (StepMethods): a new step op is one line of the registration at the end. Gradient release's
+// plain path arms each release bucket's released_ call once (arm_released_<op>, an ArmedStep
+// holding the scalars and the bucket's params): a release is then one call without arguments
+// that takes the grads from the params, checks, steps and frees them (ArmedStep.run).
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
@@ -15,6 +18,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <functional>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -123,6 +127,64 @@ void release_check(at::TensorList check_grads, const at::Tensor& found,
   }
 }
 
+// The flags one backward's release checks write (release_check's found, inv_scale, found_total,
+// skipped), shared by every ArmedStep of an optimizer: set once per backward, as they are new
+// tensors each backward (mpfused/optim/_release_update.py, _prepare_calls).
+struct ReleaseFlags : torch::CustomClassHolder {
+  at::Tensor found, inv_scale, found_total, skipped;
+  void set(const at::Tensor& found_, const at::Tensor& inv_scale_, const at::Tensor& found_total_,
+           const at::Tensor& skipped_) {
+    found = found_, inv_scale = inv_scale_, found_total = found_total_, skipped = skipped_;
+  }
+};
+
+// One release bucket's whole update, armed (BoundLists.arm_released_<op>): its params, the flags
+// and the step's scalars are held, so a release converts nothing from Python. Why: a release
+// runs inside the backward, between autograd ops that evict the interpreter's and the
+// converters' code and data; each layer of Python and each converted argument costs there
+// several times what it costs hot (benchmarks/results/release-armed-calls-*.txt).
+struct ArmedStep : torch::CustomClassHolder {
+  std::vector<at::Tensor> params;
+  c10::intrusive_ptr<ReleaseFlags> flags;
+  std::function<void(at::TensorList grads, const ReleaseFlags& flags)> check_and_step;
+  // Argument `index` (of those after the grads) set to `value` if it is a double: an LR
+  // scheduler's new lr each step without arming again (~1 us against ~13 us, hot).
+  std::function<bool(int64_t index, double value)> set_double;
+
+  bool set(int64_t index, double value) { return set_double(index, value); }
+
+  // The release: false (nothing done) if a param has no grad (a later hook set it to None: the
+  // caller's general path steps the others); else check, step, then the grads set to None.
+  bool run() const {
+    std::vector<at::Tensor> grads;
+    grads.reserve(params.size());
+    for (const at::Tensor& p : params) {
+      const at::Tensor& g = p.grad();
+      if (!g.defined()) return false;
+      grads.push_back(g);
+    }
+    TORCH_CHECK(flags->found.defined(), "mpfused: ArmedStep.run before its flags were set");
+    check_and_step(grads, *flags);
+    for (const at::Tensor& p : params) p.mutable_grad().reset();  // p.grad = None
+    return true;
+  }
+};
+
+template <class T>
+bool assign_double(T&, double) {  // not a double argument
+  return false;
+}
+inline bool assign_double(double& x, double value) {
+  x = value;
+  return true;
+}
+template <class Held, size_t... K>
+bool set_double_at(Held& held, int64_t index, double value, std::index_sequence<K...>) {
+  bool done = false;
+  ((K == size_t(index) ? (done = assign_double(std::get<K>(held), value)) : false), ...);
+  return done;
+}
+
 // The two methods of a step op whose C++ signature is Fn (op_signatures.h): `<op>(grads, <the
 // op's arguments after its lists, but param_ids / elem_offsets>)` calls the op with the bound
 // lists; `released_<op>(check_grads, found, inv_scale, found_total, skipped, grads, ...)` runs
@@ -169,6 +231,30 @@ struct StepMethods<void(A...)> {
               release_check(check_grads, found, inv_scale, found_total, skipped);
               step(*self, grads, rest...);
             });
+    // arm_released_<op>(params, flags, <the step's arguments after the grads>) -> ArmedStep: the
+    // arguments are copied into it (none is a list or an array: nothing dangles).
+    static_assert(((!std::is_same_v<Rest<I>, at::TensorList> &&
+                    !std::is_same_v<Rest<I>, at::IntArrayRef>) && ...),
+                  "an armed step holds its arguments: views of lists would dangle");
+    cls.def("arm_released_" + name,
+            [step](const c10::intrusive_ptr<BoundLists>& self, at::TensorList params,
+                   const c10::intrusive_ptr<ReleaseFlags>& flags, Rest<I>... rest) {
+              using Held = std::tuple<std::decay_t<Rest<I>>...>;
+              auto held = std::make_shared<Held>(rest...);
+              auto armed = c10::make_intrusive<ArmedStep>();
+              armed->params = params.vec();
+              armed->flags = flags;
+              armed->check_and_step = [step, self, held](at::TensorList grads,
+                                                         const ReleaseFlags& f) {
+                release_check(grads, f.found, f.inv_scale, f.found_total, f.skipped);
+                step(*self, grads, std::get<I>(*held)...);
+              };
+              armed->set_double = [held](int64_t index, double value) {
+                return index >= 0 && set_double_at(*held, index, value,
+                                                   std::make_index_sequence<kRest>{});
+              };
+              return armed;
+            });
   }
 };
 
@@ -176,6 +262,10 @@ struct StepMethods<void(A...)> {
 
 // A fragment: the namespace's op schemas are defined from Python (mpfused/ops/registry.py).
 TORCH_LIBRARY_FRAGMENT(mpfused, m) {
+  m.class_<ReleaseFlags>("ReleaseFlags")
+      .def(torch::init<>())
+      .def("set", &ReleaseFlags::set);
+  m.class_<ArmedStep>("ArmedStep").def("run", &ArmedStep::run).def("set", &ArmedStep::set);
   auto cls = m.class_<BoundLists>("BoundLists");
   cls.def(torch::init<at::TensorList, at::IntArrayRef, at::IntArrayRef, at::IntArrayRef>());
   StepMethods<AdamStepFn>::define(

@@ -17,7 +17,8 @@ keyword-only schema arguments are positional in C++), filling in the schema's de
 Gradient release (mpfused/optim/release.py) arms a call with ``check_first``: the release
 bucket's non-finite check, its flags recorded, then the step, in one native call
 (``BoundLists.released_<op>``); every other path runs ``check_and_record`` (the check op, the
-same flags) and then the plain call.
+same flags) and then the plain call. Its plain path holds each bucket's call armed
+(``arm_native``: the scalars and params held natively, a release is one call).
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ class BoundOp:
         self.device_type = lists[0][0].device.type if lists[0] else "cpu"
         self._native = _UNBUILT
         self._released = False  # the native lists have released_<op> (not a stale build)
-        self._step = self._released_step = None  # their methods, looked up once
+        self._step = self._released_step = self._arm = None  # their methods, looked up once
         self._pre = None  # check_first's arguments, for the next call only
 
     def native(self):
@@ -67,6 +68,8 @@ class BoundOp:
                     self._step = getattr(self._native, self.op.name)
                     if self._released:
                         self._released_step = getattr(self._native, "released_" + self.op.name)
+                    if self._native._has_method("arm_released_" + self.op.name):
+                        self._arm = getattr(self._native, "arm_released_" + self.op.name)
                 except RuntimeError:  # a stale build: no such class
                     pass
         return self._native
@@ -85,11 +88,11 @@ class BoundOp:
                 and self.op.native_available(self.device_type)
                 and (self._native if self._native is not _UNBUILT else self.native()) is not None)
 
-    def released_native(self, backend: str | None):
-        """``BoundLists.released_<op>`` (``(check_grads, found, inv_scale, found_total, skipped,
-        grads, *operands, *ordered(scalars))``) where a call with this ``backend`` would run it;
-        else None. Gradient release calls it directly (release.py's prepared calls)."""
-        return self._released_step if self._goes_native(backend) and self._released else None
+    def arm_native(self, backend: str | None):
+        """``BoundLists.arm_released_<op>`` (``(params, flags, *operands, *ordered(scalars))`` ->
+        an ``ArmedStep`` whose ``run()`` releases the bucket: csrc/bindings/bound_lists.cpp)
+        where a call with this ``backend`` would run the native kernel; else None."""
+        return self._arm if self._goes_native(backend) else None
 
     def ordered(self, scalars: dict):
         """The keyword scalars in schema order, defaults filled in, as the native methods take

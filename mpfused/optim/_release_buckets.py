@@ -8,7 +8,7 @@ from mpfused.optim._overrides import _kept_32bit_ids
 
 class _Chunk:
     """Params of one group, adjacent in backward order, whose grads add up to ~bucket_bytes."""
-    __slots__ = ("group_index", "indices", "ready", "order", "params", "call")
+    __slots__ = ("group_index", "indices", "ready", "order", "params", "call", "armed")
 
     def __init__(self, group_index: int):
         self.group_index = group_index
@@ -17,6 +17,7 @@ class _Chunk:
         self.order: tuple = ()  # the indices sorted: the ready set of a full chunk
         self.params: list = []  # the group's params at those indices
         self.call = None  # this backward's prepared update of the whole chunk (release.py)
+        self.armed = None  # (its BoundOp, the arguments' _same_key, the ArmedStep), kept
 
 
 

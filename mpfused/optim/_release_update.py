@@ -4,6 +4,7 @@ the per-backward flags and scale. A mixin of ``release.GradRelease``, which prov
 ``optimizer``, ``skipped``, ``_clip``, ``_group_base`` and the per-backward caches."""
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -12,6 +13,30 @@ from mpfused.ops.bound import BoundOp, check_and_record
 from mpfused.optim._release_buckets import _Entry
 from mpfused.optim._state_table import epoch as state_epoch, tracked
 from mpfused.optim.engine import FusedOptimizer
+
+
+def _brought_to(step, armed: tuple, args: tuple) -> bool:
+    """Whether the armed ``step``, armed with ``armed``, now holds ``args``: true if they are the
+    same objects (the usual case: one C-level pass) or equal (tensors the same objects: the step
+    holds them, so an id is not reused; numbers by value, a zero with its sign: 0.0 == -0.0 but
+    the steps are not bit-identical; a NaN never equals), after setting the floats that changed
+    (an LR scheduler's lr) in the step; false if it must be armed again (it may then hold some
+    of the new floats)."""
+    if len(armed) != len(args):
+        return False
+    if all(map(operator.is_, armed, args)):
+        return True
+    for i, (a, b) in enumerate(zip(armed, args)):
+        if a is b:
+            continue
+        if type(a) is not type(b) or isinstance(a, torch.Tensor):
+            return False
+        if a == b and (type(a) is not float or a != 0.0
+                       or math.copysign(1.0, a) == math.copysign(1.0, b)):
+            continue
+        if type(b) is not float or not step.set(i, b):
+            return False
+    return True
 
 
 class BucketUpdate:
@@ -65,14 +90,17 @@ class BucketUpdate:
 
     def _prepare_calls(self, device) -> None:
         """At the backward's first grad (plain release): each release bucket's whole update as
-        one prepared native call, ``chunk.call``: the bucket's ``BoundLists.released_<op>`` with
-        this backward's flags, operands and scalars, exactly what ``_update`` would pass it.
-        Made here, in one loop, for the buckets that ``_update`` would update in one native
-        call (one planner bucket, the kernel plan made at an earlier step, native kernels, no
-        clip, on this device); the others (and a bucket released in part) take ``_update``.
-        Why: in the backward, between the autograd ops, each layer of Python that ``_update``
-        goes through runs cold; the prepared call skips them (-10 to -19 us a bucket on a 2-core VM,
-        benchmarks/results/release-prepared-calls-cpu2-2026-11-27.txt). The group's options are
+        one armed native call, ``chunk.call``: an ``ArmedStep`` (``BoundLists.arm_released_<op>``)
+        holding the bucket's params, this backward's flags (``ReleaseFlags``, set once here) and
+        exactly the operands and scalars ``_update`` would pass; its ``run()`` takes the grads
+        from the params, checks, steps and sets them to None. Made for the buckets that
+        ``_update`` would update in one native call (one planner bucket, the kernel plan made at
+        an earlier step, native kernels, no clip, on this device); the others (and a bucket
+        released in part) take ``_update``. Kept from backward to backward (``chunk.armed``):
+        changed floats (an LR scheduler's lr, weight_decay, betas) are set in it, anything else
+        that changed arms it again. Why: in the backward, between the autograd ops, each layer
+        of Python and each converted argument runs cold; the armed call skips them
+        (benchmarks/results/release-armed-calls-cpu2-2026-11-27.txt). The group's options are
         read here, once per backward: an option changed by a hook inside the backward is seen
         from the next backward on (``_update`` reads the scalars at the group's first bucket,
         the flags at each launch; the ordinary step reads all of them after the backward)."""
@@ -85,6 +113,7 @@ class BucketUpdate:
             return  # the plans are remade by the next _entry
         key = (state_epoch(), opt.state)
         options = [opt._plan_options(g) for g in opt.param_groups]
+        flags = None
         for chunk in self._chunks:
             entry = self._entries.get((chunk.group_index, chunk.order))
             if (entry is None or not entry.whole or entry.device != device
@@ -92,15 +121,30 @@ class BucketUpdate:
                 continue
             b = entry.parts[0][0]
             op = b.state.get("step_")
-            released = op.released_native(opt._backend) if isinstance(op, BoundOp) else None
-            if released is None:
+            arm = op.arm_native(opt._backend) if isinstance(op, BoundOp) else None
+            if arm is None:
                 continue
-            scale, inv, found, total = self._flags_on(device)
+            if flags is None:
+                flags = self._release_flags_on(device)
             operands, scalars = opt._launch_args(
                 b, opt.param_groups[chunk.group_index], self._hyper_on(chunk.group_index, device),
                 self._scaling_on(device))
-            chunk.call = (*key, released, (found, inv, total, self.skipped),
-                          (*operands, *op.ordered(scalars)))
+            args = (*operands, *op.ordered(scalars))
+            armed = chunk.armed
+            if armed is None or armed[0] is not op or not _brought_to(armed[2], armed[1], args):
+                armed = (op, args, arm(chunk.params, flags, *args))  # (~13 us hot)
+            chunk.armed = (op, args, armed[2])
+            chunk.call = (*key, armed[2])
+
+    def _release_flags_on(self, device):
+        """The ``ReleaseFlags`` the armed steps on a device read, set to this backward's flags
+        (one object per device, kept: the armed steps hold it)."""
+        flags = self._armed_flags.get(device)
+        if flags is None:
+            flags = self._armed_flags[device] = torch.classes.mpfused.ReleaseFlags()
+        _, inv, found, total = self._flags_on(device)
+        flags.set(found, inv, total, self.skipped)
+        return flags
 
     def _hyper_on(self, group_index: int, device) -> dict:
         """The group's ``_hyper`` on a device, once per group and backward (options change

@@ -135,6 +135,7 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
         self._scaling: dict = {}  # device -> the launches' scaling keywords without clip, ditto
         self._hypers: dict = {}  # (group index, device) -> the group's _hyper, for this backward
         self._bucket_found: dict[torch.device, torch.Tensor] = {}  # reused by every bucket
+        self._armed_flags: dict = {}  # device -> the ReleaseFlags its armed steps read
         self._clip = PreviousNormClip(optimizer) if clip == "previous" else None
         self._group_base = [0]  # flat position of each group's first param (for the clip)
         for g in optimizer.param_groups:
@@ -284,6 +285,14 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
         self._in_backward = False
 
     def _release(self, chunk: _Chunk) -> None:
+        call = chunk.call
+        if (call is not None and len(chunk.ready) == len(chunk.order)
+                and call[0] == state_epoch() and call[1] is self.optimizer.state
+                and not torch.is_grad_enabled()):
+            chunk.ready.clear()
+            if call[2].run():  # the armed call (_prepare_calls): check, step, grads to None
+                return
+            chunk.ready.update(chunk.order)  # a grad set to None by a later hook: below
         ready, params = chunk.order, chunk.params  # (all ready: the lists made at attach)
         if len(chunk.ready) != len(ready):
             ready, group_params = tuple(sorted(chunk.ready)), self.optimizer.param_groups[
@@ -297,11 +306,7 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
             params, grads = [params[k] for k in keep], [grads[k] for k in keep]
         if not ready:
             return
-        call = chunk.call
-        if (call is not None and ready is chunk.order and call[0] == state_epoch()
-                and call[1] is self.optimizer.state and not torch.is_grad_enabled()):
-            call[2](grads, *call[3], grads, *call[4])  # the prepared call (_prepare_calls)
-        elif not torch.is_grad_enabled():  # (a plain backward's hooks: no context to enter)
+        if not torch.is_grad_enabled():  # (a plain backward's hooks: no context to enter)
             self._update(chunk.group_index, ready, grads)
         else:  # backward(create_graph=True): the update records nothing
             with torch.no_grad():
