@@ -316,3 +316,58 @@ def test_a_subclass_launch_is_called_for_every_bucket():
     per_step = collections.Counter(launches)  # every backward launches every bucket
     assert sorted(per_step) == list(range(5)) and len(set(per_step.values())) == 1
     assert per_step[0] > 1  # (several release buckets)
+
+
+def _train_counting_args(cls, prepared: bool, changes: dict, steps: int):
+    """AdamW-like release training with ``changes[step](opt)`` applied before that step's
+    backward; the final snapshot and, per backward, how often ``_launch_args`` ran in it (in
+    _update or while arming)."""
+    model = _model(torch.bfloat16)
+    opt = cls(model.parameters(), lr=1e-2)
+    release = mpfused.step_in_backward(opt, bucket_bytes=2048)
+    if not prepared:
+        release._prepare_calls = lambda device: None
+    calls = []
+    orig = opt._launch_args
+    opt._launch_args = lambda *a: (calls.append(1), orig(*a))[1]
+    gen = torch.Generator().manual_seed(5)
+    made = []
+    for step in range(steps):
+        if step in changes:
+            changes[step](opt)
+        calls.clear()
+        model(torch.randn(5, 24, generator=gen).bfloat16()).float().square().mean().backward()
+        made.append(len(calls))
+        opt.step()
+        opt.zero_grad()
+    return _snapshot(model, opt), made, len(release._chunks)
+
+
+def _set(key, value):
+    return lambda opt: opt.param_groups[0].__setitem__(key, value)
+
+
+CHANGES = {3: _set("weight_decay", 0.1),
+           5: lambda opt: opt.param_groups[0].__setitem__("lr", torch.tensor(5e-3)),  # (a new one)
+           6: lambda opt: opt.param_groups[0]["lr"].fill_(2e-3), 7: _set("lr", 1e-3)}
+
+
+def test_unchanged_backwards_keep_the_armed_calls():
+    """A backward where nothing the calls are made from changed (no scheduler) makes none:
+    _launch_args does not run in it. A changed option (step 3), a tensor lr (steps 5-6: copied
+    to the device each backward, so never kept; step 6 changes it in place) and a new float lr
+    (step 7) make them again; every step equals the _update path bit for bit."""
+    a, made, n = _train_counting_args(mpfused.AdamW, True, CHANGES, 9)
+    b, _, _ = _train_counting_args(mpfused.AdamW, False, CHANGES, 9)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert made == [n, n, 0, n, 0, n, n, n, 0]
+
+
+def test_a_subclass_launch_args_is_asked_every_backward():
+    class Own(mpfused.AdamW):
+        def _launch_args(self, b, group, hyper, scaling):
+            return super()._launch_args(b, group, hyper, scaling)
+    a, made, n = _train_counting_args(Own, True, {}, 4)
+    b, _, _ = _train_counting_args(Own, False, {}, 4)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert made == [n] * 4

@@ -4,6 +4,7 @@ the per-backward flags and scale. A mixin of ``release.GradRelease``, which prov
 ``optimizer``, ``skipped``, ``_clip``, ``_group_base`` and the per-backward caches."""
 from __future__ import annotations
 
+import functools
 import math
 import operator
 
@@ -37,6 +38,16 @@ def _brought_to(step, armed: tuple, args: tuple) -> bool:
         if type(b) is not float or not step.set(i, b):
             return False
     return True
+
+
+@functools.lru_cache(maxsize=None)
+def _pure_launch_args(cls) -> bool:
+    """The optimizer class's ``_launch_args`` and ``_hyper`` are mpfused's own, which read the
+    param group, the planner bucket and the scaling only: the calls made from them stand while
+    those are the same (``_calls_signature``). A subclass's own may read more: its calls are
+    made again every backward."""
+    return all(getattr(getattr(cls, name), "__module__", "").startswith("mpfused.")
+               for name in ("_launch_args", "_hyper"))
 
 
 class BucketUpdate:
@@ -98,12 +109,23 @@ class BucketUpdate:
         an earlier step, native kernels, no clip, on this device); the others (and a bucket
         released in part) take ``_update``. Kept from backward to backward (``chunk.armed``):
         changed floats (an LR scheduler's lr, weight_decay, betas) are set in it, anything else
-        that changed arms it again. Why: in the backward, between the autograd ops, each layer
-        of Python and each converted argument runs cold; the armed call skips them
-        (benchmarks/results/release-armed-calls-cpu2-2026-11-27.txt). The group's options are
+        that changed arms it again; and where nothing they are made from changed
+        (``_calls_signature``: no scheduler, no option set) the calls of the last backward stand
+        as they are, with this backward's flags. Why: in the backward, between the autograd
+        ops, each layer of Python and each converted argument runs cold; the armed call skips
+        them (benchmarks/results/release-armed-calls-cpu2-2026-11-27.txt). The group's options are
         read here, once per backward: an option changed by a hook inside the backward is seen
         from the next backward on (``_update`` reads the scalars at the group's first bucket,
         the flags at each launch; the ordinary step reads all of them after the backward)."""
+        signature = self._calls_signature(device)
+        last = self._armed_signature
+        if (last is not None and signature is not None and last[0] == device
+                and len(last) == len(signature)
+                and all(map(operator.is_, last[1:], signature[1:]))):
+            if any(chunk.call is not None for chunk in self._chunks):
+                self._release_flags_on(device)  # this backward's flags into the armed steps
+            return  # everything the calls were made from is the same: they stand
+        self._armed_signature = None
         for chunk in self._chunks:
             chunk.call = None
         opt = self.optimizer
@@ -135,6 +157,28 @@ class BucketUpdate:
                 armed = (op, args, arm(chunk.params, flags, *args))  # (~13 us hot)
             chunk.armed = (op, args, armed[2])
             chunk.call = (*key, armed[2])
+        if signature is not None and _pure_launch_args(type(opt)):
+            self._armed_signature = signature
+
+    def _calls_signature(self, device) -> tuple:
+        """What the plain release's armed calls are made from, as objects: the device, the
+        state table and plans, the bucket and plan counts, the backend, the clip, the scaler's
+        scale, every value and plan option of every param group. If all are the same objects
+        as when the calls were made (a backward without an LR scheduler or any change), the
+        calls stand as they are (``_prepare_calls``); a float set anew (a scheduler's lr) is not
+        the same object, and the calls are then remade or brought to it. None where a group
+        holds a tensor (an lr tensor is copied to the device anew each backward)."""
+        opt = self.optimizer
+        groups = []
+        for g in opt.param_groups:
+            groups += g.values()
+            groups += opt._plan_options(g)
+        if any(isinstance(v, torch.Tensor) for v in groups):
+            return None
+        return (device, state_epoch(), opt.state, self._epoch, self._state_obj,
+                len(self._entries), len(self._chunks), opt._backend, self._clip,
+                opt.max_grad_norm, opt._seed, torch.compiler.is_compiling(),
+                self._scale_on(device), *groups)
 
     def _release_flags_on(self, device):
         """The ``ReleaseFlags`` the armed steps on a device read, set to this backward's flags

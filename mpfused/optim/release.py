@@ -136,6 +136,7 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
         self._hypers: dict = {}  # (group index, device) -> the group's _hyper, for this backward
         self._bucket_found: dict[torch.device, torch.Tensor] = {}  # reused by every bucket
         self._armed_flags: dict = {}  # device -> the ReleaseFlags its armed steps read
+        self._armed_signature = None  # what the chunks' calls were made from (_prepare_calls)
         self._clip = PreviousNormClip(optimizer) if clip == "previous" else None
         self._group_base = [0]  # flat position of each group's first param (for the clip)
         for g in optimizer.param_groups:
