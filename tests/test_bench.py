@@ -4,6 +4,7 @@ torchao is left out of the end-to-end run because its AdamW8bit torch.compiles e
 on first use (20-30 s on a CPU), which would blow this test's budget; `--recipes torchao` runs it."""
 import json
 import math
+import types
 
 import pytest
 import torch
@@ -193,3 +194,27 @@ def test_bench_release_sweep_tiny_run(tmp_path, monkeypatch):
     assert all(r["same_params"] for r in rows)
     assert rows[1]["buckets"] > rows[2]["buckets"] >= 1
     assert rows[1]["grads_alive_kib"] < rows[2]["grads_alive_kib"] <= rows[0]["grads_alive_kib"]
+
+
+def test_bench_release_toggle_tiny_run(tmp_path, monkeypatch):
+    """bench_release_toggle: the modes take turns on one model (release handles attached only
+    for their steps: none is left attached) and smaller buckets keep fewer grads alive (the
+    modes' equality: tests/test_release_reattach.py)."""
+    import benchmarks.common
+    from benchmarks import bench_release_toggle
+
+    monkeypatch.setattr(benchmarks.common, "RESULTS", tmp_path)
+    monkeypatch.setattr(bench_release_toggle, "WARMUP", 1)
+    built = []
+    real_build = bench_release_toggle.RECIPES["mpfused"].build
+
+    def build(*a, **k):
+        built.append(real_build(*a, **k))
+        return built[-1]
+    monkeypatch.setitem(bench_release_toggle.RECIPES, "mpfused", types.SimpleNamespace(build=build))
+    rows = bench_release_toggle.main(["--size", "tiny", "--rounds", "2", "--kib", "4", "64"])
+    assert [r["mode"] for r in rows] == ["ordinary", "ordinary-b", "release 4 KiB",
+                                         "release 64 KiB"]
+    assert rows[2]["buckets"] > rows[3]["buckets"] >= 1
+    assert rows[2]["grads_alive_kib"] < rows[3]["grads_alive_kib"] <= rows[0]["grads_alive_kib"]
+    assert built[0].optimizer._grad_release is None

@@ -182,8 +182,12 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
             chunk.order = tuple(sorted(chunk.indices))
             params = self.optimizer.param_groups[chunk.group_index]["params"]
             chunk.params = [params[j] for j in chunk.order]
-            self._handles += [p.register_post_accumulate_grad_hook(self._grad_ready_hook(chunk, i))
-                              for i, p in zip(chunk.order, chunk.params)]
+        self._hook(self._chunks[first:])
+
+    def _hook(self, chunks) -> None:
+        """The grad-ready hooks of these chunks' params."""
+        self._handles += [p.register_post_accumulate_grad_hook(self._grad_ready_hook(chunk, i))
+                          for chunk in chunks for i, p in zip(chunk.order, chunk.params)]
 
     def add_group(self, group_index: int) -> None:
         """``optimizer.add_param_group`` after attaching (called by it): the new group gets its
@@ -207,6 +211,28 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
             h.remove()
         self._handles = []
         self.optimizer._grad_release = None
+
+    def reattach(self) -> "GradRelease":
+        """Attach again after ``remove()``: the same buckets hooked again, their kernel plans
+        and armed calls kept (groups added meanwhile get theirs). Plain release only (under DDP
+        or FSDP2 attach a new handle). Returns the handle."""
+        opt = self.optimizer
+        if self._ddp is not None or self._fsdp is not None:
+            raise NotImplementedError("reattach: plain release only; under DDP or FSDP2 call "
+                                      "step_in_backward again")
+        if self._handles or getattr(opt, "_grad_release", None) is self:
+            raise RuntimeError("reattach: this handle is attached")
+        if getattr(opt, "_grad_release", None) is not None:
+            raise RuntimeError("reattach: this optimizer has gradient release attached (call "
+                               ".remove() on that handle first)")
+        self._in_backward = self._accumulating = self._pending = False
+        for chunk in self._chunks:
+            chunk.ready.clear()
+        self._hook(self._chunks)
+        opt._grad_release = self
+        for gi in range(len(self._group_base) - 1, len(opt.param_groups)):  # added meanwhile
+            self.add_group(gi)
+        return self
 
     @contextlib.contextmanager
     def accumulate(self):

@@ -1,0 +1,103 @@
+"""Gradient release against the ordinary step on one and the same model and optimizer: the
+main job's model trains with its ordinary recipe, and a release handle per bucket size is
+attached (``GradRelease.reattach``) for one step and removed after it, the modes taking turns
+step by step (the order changing every round). Why not one model per contender, as
+bench_release_sweep does: on a 2-core VM two identical ordinary setups built one after the other
+differ by up to 1.6% in the same round-robin (their memory lands differently), as much as what
+is measured. Here every mode updates the same tensors, and a second ordinary mode
+("ordinary-b", the same steps again under another name) shows what is left of the noise.
+Attaching and removing happen outside the timed step. All modes compute the same update
+(tests/test_release_reattach.py), so the training goes on as one run.
+
+    python -m benchmarks.bench_release_toggle [--pair mpfused] [--kib 128 256 1024 4096]
+        [--rounds 100] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import mpfused
+from benchmarks.bench_release_sweep import grads_alive_peak
+from benchmarks.common import machine, print_table, round_robin, timed_train_step, write_results
+from benchmarks.main_job import main_job
+from mpfused.bench.recipes import RECIPES
+
+WARMUP = 5
+ORDINARY = ("ordinary", "ordinary-b")
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--pair", default="mpfused", choices=["mpfused", "mpfused-8bit-remainder"])
+    ap.add_argument("--kib", type=int, nargs="+", default=[128, 256, 1024, 4096])
+    ap.add_argument("--rounds", type=int, default=100)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--size", default="small")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    job = main_job(args.size, 0, (args.rounds + WARMUP) * (len(args.kib) + 2) + 1)
+    setup = RECIPES[args.pair].build(job.base, torch.device("cpu"), torch.bfloat16, job.hp)
+    opt = setup.optimizer
+    handles = {}
+    for kib in args.kib:  # as the release recipes attach it
+        handles[kib] = mpfused.step_in_backward(
+            opt, scaler=setup.scaler if setup.scaler.is_enabled() else None,
+            bucket_bytes=kib << 10)
+        handles[kib].remove()
+    batch = iter(range(1, 1 << 30))
+    peaks = {}
+    for mode in (ORDINARY[0], *args.kib):
+        with _attached(handles.get(mode)):
+            peaks[mode] = grads_alive_peak(setup, *job.batch(next(batch)))
+
+    def step(mode):
+        inputs, targets = job.batch(next(batch))
+        with _attached(handles.get(mode)):
+            t = time.perf_counter()
+            timed_train_step(setup, inputs, targets)
+            return time.perf_counter() - t
+    modes = (*ORDINARY, *args.kib)
+    times = round_robin({m: (lambda m=m: step(m)) for m in modes}, args.rounds, WARMUP)
+    rows = []
+    for m in modes:
+        ratios = [b / a for a, b in zip(times[ORDINARY[0]], times[m])]
+        rows.append({"mode": m if m in ORDINARY else f"release {m} KiB",
+                     "buckets": len(handles[m]._chunks) if m in handles else "-",
+                     "grads_alive_kib": peaks.get(m, peaks[ORDINARY[0]]) / 1024,
+                     "of_full": peaks.get(m, peaks[ORDINARY[0]]) / peaks[ORDINARY[0]],
+                     "median_ms": 1e3 * statistics.median(times[m]),
+                     "ratio_median": statistics.median(ratios)})
+    m = machine()
+    print(f"{m['cpu']}, {torch.get_num_threads()} threads, torch {m['torch']}, commit "
+          f"{m['commit']}; {args.pair} ({args.size} preset), one model, {args.rounds} rounds")
+    print_table(rows, ["mode", "buckets", "grads_alive_kib", "of_full", "median_ms",
+                       "ratio_median"])
+    path = write_results(f"release-toggle-{args.pair}-{torch.get_num_threads()}t", "cpu", rows,
+                         extra={"size": args.size, "rounds": args.rounds,
+                                "note": "one model and optimizer, modes alternating step by step; "
+                                        "ratio_median: per round, against 'ordinary'"})
+    print(f"wrote {path}")
+    return rows
+
+
+class _attached:
+    """A removed release handle attached for the block (none: the ordinary step)."""
+    def __init__(self, handle):
+        self.handle = handle
+
+    def __enter__(self):
+        if self.handle is not None:
+            self.handle.reattach()
+
+    def __exit__(self, *exc):
+        if self.handle is not None:
+            self.handle.remove()
+
+
+if __name__ == "__main__":
+    main()
