@@ -211,7 +211,8 @@ def test_bench_release_toggle_tiny_run(tmp_path, monkeypatch):
     def build(*a, **k):
         built.append(real_build(*a, **k))
         return built[-1]
-    monkeypatch.setitem(bench_release_toggle.RECIPES, "mpfused", types.SimpleNamespace(build=build))
+    monkeypatch.setitem(bench_release_toggle.RECIPES, "mpfused",
+                        types.SimpleNamespace(build=build))
     rows = bench_release_toggle.main(["--size", "tiny", "--rounds", "2", "--kib", "4", "64"])
     assert [r["mode"] for r in rows] == ["ordinary", "ordinary-b", "release 4 KiB",
                                          "release 64 KiB"]
