@@ -42,16 +42,23 @@ def grads_alive_peak(setup, inputs, targets) -> int:
     return peak[0]
 
 
-def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def bucket_size_args(argv, doc: str, kib: list, rounds: int) -> argparse.Namespace:
+    """The command line of the bucket-size benchmarks (this one, bench_release_toggle): the
+    recipe pair, the bucket sizes, rounds, threads (set here) and the model size."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--pair", default="mpfused", choices=["mpfused", "mpfused-8bit-remainder"])
-    ap.add_argument("--kib", type=int, nargs="+", default=[128, 256, 512, 1024, 4096])
-    ap.add_argument("--rounds", type=int, default=40)
+    ap.add_argument("--kib", type=int, nargs="+", default=kib)
+    ap.add_argument("--rounds", type=int, default=rounds)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--size", default="small")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = bucket_size_args(argv, __doc__, [128, 256, 512, 1024, 4096], 40)
     job = main_job(args.size, 0, args.rounds + WARMUP + 1)
     cpu = torch.device("cpu")
     setups = {"ordinary": RECIPES[args.pair].build(job.base, cpu, torch.bfloat16, job.hp)}
@@ -88,15 +95,22 @@ def main(argv=None) -> list[dict]:
             "ratio_median": statistics.median(ratios),
             "same_params": all(torch.equal(a, b) for a, b in
                                zip(first, setups[n].model.parameters()))})
+    return report("release-sweep", args, rows, ["bucket_kib", "buckets", "grads_alive_kib",
+                                                "of_full", "median_ms", "ratio_median",
+                                                "same_params"],
+                  "one process, round-robin; grads_alive: the most grad bytes alive at once in "
+                  "one backward")
+
+
+def report(name: str, args, rows: list[dict], columns: list[str], note: str) -> list[dict]:
+    """The machine, the table, and the result file ``<name>-<pair>-<threads>t`` of a
+    bucket-size benchmark."""
     m = machine()
     print(f"{m['cpu']}, {torch.get_num_threads()} threads, torch {m['torch']}, commit "
-          f"{m['commit']}; {args.pair} ({args.size} preset), {args.rounds} rounds")
-    print_table(rows, ["bucket_kib", "buckets", "grads_alive_kib", "of_full", "median_ms",
-                       "ratio_median", "same_params"])
-    path = write_results(f"release-sweep-{args.pair}-{torch.get_num_threads()}t", "cpu", rows,
-                         extra={"size": args.size, "rounds": args.rounds,
-                                "note": "one process, round-robin; grads_alive: the most grad "
-                                        "bytes alive at once in one backward"})
+          f"{m['commit']}; {args.pair} ({args.size} preset), {args.rounds} rounds; {note}")
+    print_table(rows, columns)
+    path = write_results(f"{name}-{args.pair}-{torch.get_num_threads()}t", "cpu", rows,
+                         extra={"size": args.size, "rounds": args.rounds, "note": note})
     print(f"wrote {path}")
     return rows
 

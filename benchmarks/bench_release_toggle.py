@@ -14,15 +14,14 @@ Attaching and removing happen outside the timed step. All modes compute the same
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
 import mpfused
-from benchmarks.bench_release_sweep import grads_alive_peak
-from benchmarks.common import machine, print_table, round_robin, timed_train_step, write_results
+from benchmarks.bench_release_sweep import bucket_size_args, grads_alive_peak, report
+from benchmarks.common import round_robin, timed_train_step
 from benchmarks.main_job import main_job
 from mpfused.bench.recipes import RECIPES
 
@@ -31,15 +30,7 @@ ORDINARY = ("ordinary", "ordinary-b")
 
 
 def main(argv=None) -> list[dict]:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--pair", default="mpfused", choices=["mpfused", "mpfused-8bit-remainder"])
-    ap.add_argument("--kib", type=int, nargs="+", default=[128, 256, 1024, 4096])
-    ap.add_argument("--rounds", type=int, default=100)
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--size", default="small")
-    args = ap.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args = bucket_size_args(argv, __doc__, [128, 256, 1024, 4096], 100)
     job = main_job(args.size, 0, (args.rounds + WARMUP) * (len(args.kib) + 2) + 1)
     setup = RECIPES[args.pair].build(job.base, torch.device("cpu"), torch.bfloat16, job.hp)
     opt = setup.optimizer
@@ -72,17 +63,10 @@ def main(argv=None) -> list[dict]:
                      "of_full": peaks.get(m, peaks[ORDINARY[0]]) / peaks[ORDINARY[0]],
                      "median_ms": 1e3 * statistics.median(times[m]),
                      "ratio_median": statistics.median(ratios)})
-    m = machine()
-    print(f"{m['cpu']}, {torch.get_num_threads()} threads, torch {m['torch']}, commit "
-          f"{m['commit']}; {args.pair} ({args.size} preset), one model, {args.rounds} rounds")
-    print_table(rows, ["mode", "buckets", "grads_alive_kib", "of_full", "median_ms",
-                       "ratio_median"])
-    path = write_results(f"release-toggle-{args.pair}-{torch.get_num_threads()}t", "cpu", rows,
-                         extra={"size": args.size, "rounds": args.rounds,
-                                "note": "one model and optimizer, modes alternating step by step; "
-                                        "ratio_median: per round, against 'ordinary'"})
-    print(f"wrote {path}")
-    return rows
+    return report("release-toggle", args, rows, ["mode", "buckets", "grads_alive_kib",
+                                                 "of_full", "median_ms", "ratio_median"],
+                  "one model and optimizer, modes alternating step by step; ratio_median: per "
+                  "round, against 'ordinary'")
 
 
 class _attached:
