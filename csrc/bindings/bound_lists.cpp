@@ -148,7 +148,7 @@ struct ArmedStep : torch::CustomClassHolder {
   c10::intrusive_ptr<ReleaseFlags> flags;
   std::function<void(at::TensorList grads, const ReleaseFlags& flags)> check_and_step;
   // Argument `index` (of those after the grads) set to `value` if it is a double: an LR
-  // scheduler's new lr each step without arming again (~1 us against ~13 us, hot).
+  // scheduler's new lr each step without arming again (~2 us against ~13 us, hot).
   std::function<bool(int64_t index, double value)> set_double;
 
   bool set(int64_t index, double value) { return set_double(index, value); }
