@@ -64,6 +64,7 @@ ALIGNED_8BIT_PARAMS = {"fc1.weight", "fc2.weight"}
 UNALIGNED_TOL = dict(rtol=0, atol=2e-3)
 # Gradient release under DDP (mpfused.step_in_backward(opt, ddp=model): each bucket steps in
 # DDP's communication hook once its all-reduce is done): the same run as the config named.
+DETACHED_STEP = 4  # release runs detach for this step and reattach (GradRelease.reattach)
 RELEASE_CONFIGS = {"ddp_release_fp32": "ddp_fp32", "ddp_release_8bit": "ddp_8bit"}
 LAUNCHES = {"ddp": [n for n, c in CONFIGS.items() if c[0] == "ddp"],
             "fsdp": [n for n, c in CONFIGS.items() if c[0] == "fsdp"]}
@@ -103,12 +104,20 @@ def _train_dist(name, rank, release=False):
     if release:
         import mpfused
 
-        mpfused.step_in_backward(opt, scaler=scaler, ddp=model)
+        handle = mpfused.step_in_backward(opt, scaler=scaler, ddp=model)
     out = {"scales": []}
     for step in range(STEPS):
+        if release and step == DETACHED_STEP:  # one ordinary step: the comm hook only reduces
+            handle.remove()
+        if release and step == DETACHED_STEP + 1:
+            handle.reattach()
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(model, *batch(step, rank, dtype))
+        first = next(model.parameters()).detach().clone()
         (scaler.scale(loss) if scaler else loss).backward()
+        if release:  # release stepped in the backward: the params moved before opt.step()
+            out.setdefault("released", []).append(
+                not torch.equal(first, next(model.parameters())))
         if step == INF_STEP:
             out["before_inf_step"] = params_of(model)
         if scaler:

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from tests.distributed_harness import _launch
-from tests.distributed_model import (CKPT_AT, STEPS, _has_8bit, make_model, make_optim,
+from tests.distributed_model import (CKPT_AT, INF_STEP, STEPS, _has_8bit, make_model, make_optim,
                                      make_scaler, params_of, state_snapshot)
 from tests.distributed_runs import (ALIGNED_8BIT_PARAMS, CKPT_PARAMS, CLIP_TOL, CONFIGS,
-                                    RELEASE_CONFIGS, UNALIGNED_8BIT, UNALIGNED_KW, UNALIGNED_TOL,
-                                    train_single)
+                                    DETACHED_STEP, RELEASE_CONFIGS, UNALIGNED_8BIT, UNALIGNED_KW,
+                                    UNALIGNED_TOL, train_single)
 
 
 @pytest.fixture(scope="module")
@@ -134,11 +134,15 @@ def test_matches_single_process(request, one_thread, name):
 def test_ddp_release_equals_ddp_step(request, name):
     """Gradient release under DDP: params, every state tensor and the scale trajectory are
     bit-identical to the ordinary DDP step of the same config, on every rank (the inf step is
-    skipped everywhere: the averaged grads of every bucket hold it)."""
+    skipped everywhere: the averaged grads of every bucket hold it). The run detaches for one
+    step and reattaches (GradRelease.reattach): release steps in every backward but that one
+    (and the inf step's, which it skips)."""
     base = RELEASE_CONFIGS[name]
     released = _results(request, name, "ddp_results")
     ordinary = _results(request, base, "ddp_results")
     for rank, (rel, ref) in enumerate(zip(released, ordinary)):
+        assert rel["released"] == [s not in (DETACHED_STEP, INF_STEP)
+                                   for s in range(len(rel["released"]))], rank
         assert rel["scales"] == ref["scales"], rank
         for k, v in ref["params"].items():
             assert torch.equal(rel["params"][k], v), (rank, k)

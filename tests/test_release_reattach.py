@@ -41,7 +41,7 @@ def test_toggled_release_equals_the_ordinary_step(case):
     assert len(handle._group_base) == 3  # the added group got release buckets
 
 
-def test_reattach_refuses_misuse():
+def test_reattach_refuses_misuse_and_fsdp():
     model = _model(torch.bfloat16)
     opt = mpfused.AdamW(model.parameters())
     first = mpfused.step_in_backward(opt)
@@ -52,6 +52,12 @@ def test_reattach_refuses_misuse():
     with pytest.raises(RuntimeError, match="has gradient release attached"):
         first.reattach()
     second.remove()
+    first.reattach()
+    first.remove()
+    first._fsdp = object()  # (as a handle made with fsdp=...)
+    with pytest.raises(RuntimeError, match="not under FSDP2"):
+        first.reattach()
+    first._fsdp = None
     first.reattach()
     _loss(model, torch.randn(2, 24).bfloat16()).backward()
     assert all(p.grad is None for p in model.parameters())  # released

@@ -214,12 +214,13 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
 
     def reattach(self) -> "GradRelease":
         """Attach again after ``remove()``: the same buckets hooked again, their kernel plans
-        and armed calls kept (groups added meanwhile get theirs). Plain release only (under DDP
-        or FSDP2 attach a new handle). Returns the handle."""
+        and armed calls kept (groups added meanwhile get theirs); under DDP the communication
+        hook, which stayed, steps again. Not under FSDP2, whose hooks a new
+        ``step_in_backward`` makes as easily. Returns the handle."""
         opt = self.optimizer
-        if self._ddp is not None or self._fsdp is not None:
-            raise NotImplementedError("reattach: plain release only; under DDP or FSDP2 call "
-                                      "step_in_backward again")
+        if self._fsdp is not None:
+            raise RuntimeError("reattach: not under FSDP2; call step_in_backward(opt, fsdp=...) "
+                               "again (remove() dropped every hook it made)")
         if self._handles or getattr(opt, "_grad_release", None) is self:
             raise RuntimeError("reattach: this handle is attached")
         if getattr(opt, "_grad_release", None) is not None:
