@@ -42,10 +42,13 @@ def grads_alive_peak(setup, inputs, targets) -> int:
     return peak[0]
 
 
-def bucket_size_args(argv, doc: str, kib: list, rounds: int) -> argparse.Namespace:
+def bucket_size_args(argv, doc: str, kib: list, rounds: int, more=None) -> argparse.Namespace:
     """The command line of the bucket-size benchmarks (this one, bench_release_toggle): the
-    recipe pair, the bucket sizes, rounds, threads (set here) and the model size."""
+    recipe pair, the bucket sizes, rounds, threads (set here) and the model size; ``more(ap)``
+    adds a benchmark's own options."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if more is not None:
+        more(ap)
     ap.add_argument("--pair", default="mpfused", choices=["mpfused", "mpfused-8bit-remainder"])
     ap.add_argument("--kib", type=int, nargs="+", default=kib)
     ap.add_argument("--rounds", type=int, default=rounds)

@@ -7,10 +7,12 @@ differ by up to 1.6% in the same round-robin (their memory lands differently), a
 is measured. Here every mode updates the same tensors, and a second ordinary mode
 ("ordinary-b", the same steps again under another name) shows what is left of the noise.
 Attaching and removing happen outside the timed step. All modes compute the same update
-(tests/test_release_reattach.py), so the training goes on as one run.
+(tests/test_release_reattach.py), so the training goes on as one run. ``--workers``: the
+release worker's thread counts to time (``step_in_backward(worker_threads=)``; 0: the updates
+in the backward's thread, the only mode where every CPU runs an intra-op thread).
 
     python -m benchmarks.bench_release_toggle [--pair mpfused] [--kib 128 256 1024 4096]
-        [--rounds 100] [--threads 2]
+        [--rounds 100] [--threads 2] [--workers 0 1]
 """
 from __future__ import annotations
 
@@ -30,19 +32,22 @@ ORDINARY = ("ordinary", "ordinary-b")
 
 
 def main(argv=None) -> list[dict]:
-    args = bucket_size_args(argv, __doc__, [128, 256, 1024, 4096], 100)
-    job = main_job(args.size, 0, (args.rounds + WARMUP) * (len(args.kib) + 2) + 1)
+    args = bucket_size_args(argv, __doc__, [128, 256, 1024, 4096], 100,
+                            more=lambda ap: ap.add_argument("--workers", type=int, nargs="+",
+                                                            default=[0]))
+    releases = [(kib, w) for kib in args.kib for w in args.workers]
+    job = main_job(args.size, 0, (args.rounds + WARMUP) * (len(releases) + 2) + 1)
     setup = RECIPES[args.pair].build(job.base, torch.device("cpu"), torch.bfloat16, job.hp)
     opt = setup.optimizer
     handles = {}
-    for kib in args.kib:  # as the release recipes attach it
-        handles[kib] = mpfused.step_in_backward(
+    for kib, w in releases:  # as the release recipes attach it
+        handles[kib, w] = mpfused.step_in_backward(
             opt, scaler=setup.scaler if setup.scaler.is_enabled() else None,
-            bucket_bytes=kib << 10)
-        handles[kib].remove()
+            bucket_bytes=kib << 10, worker_threads=w)
+        handles[kib, w].remove()
     batch = iter(range(1, 1 << 30))
     peaks = {}
-    for mode in (ORDINARY[0], *args.kib):
+    for mode in (ORDINARY[0], *releases):
         with _attached(handles.get(mode)):
             peaks[mode] = grads_alive_peak(setup, *job.batch(next(batch)))
 
@@ -52,12 +57,13 @@ def main(argv=None) -> list[dict]:
             t = time.perf_counter()
             timed_train_step(setup, inputs, targets)
             return time.perf_counter() - t
-    modes = (*ORDINARY, *args.kib)
+    modes = (*ORDINARY, *releases)
     times = round_robin({m: (lambda m=m: step(m)) for m in modes}, args.rounds, WARMUP)
     rows = []
     for m in modes:
         ratios = [b / a for a, b in zip(times[ORDINARY[0]], times[m])]
-        rows.append({"mode": m if m in ORDINARY else f"release {m} KiB",
+        rows.append({"mode": m if m in ORDINARY else f"release {m[0]} KiB" + (
+                         f" worker {m[1]}" if m[1] else ""),
                      "buckets": len(handles[m]._chunks) if m in handles else "-",
                      "grads_alive_kib": peaks.get(m, peaks[ORDINARY[0]]) / 1024,
                      "of_full": peaks.get(m, peaks[ORDINARY[0]]) / peaks[ORDINARY[0]],

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import math
 import operator
+import os
 
 import torch
 
@@ -48,6 +49,28 @@ def _pure_launch_args(cls) -> bool:
     made again every backward."""
     return all(getattr(getattr(cls, name), "__module__", "").startswith("mpfused.")
                for name in ("_launch_args", "_hyper"))
+
+
+# Release buckets queued on the worker at most: the grads alive stay a few buckets' (a submit
+# waits while the queue is full).
+WORKER_PENDING = 2
+
+
+def worker_threads(requested: int | None) -> int:
+    """The release worker's thread count: ``requested``, or by default the CPUs this process may
+    run on that torch's intra-op threads leave free, at most ``torch.get_num_threads()``. Why
+    only free ones: beside a backward that keeps every CPU busy the worker slowed the step
+    (2-core VM, 2 intra-op threads: 1.03-1.05x the ordinary step against 1.01-1.02x with the
+    updates in the backward's thread), beside one that leaves a CPU free it sped it up (1
+    intra-op thread: 0.98-0.99x; benchmarks/results/release-worker-*.txt)."""
+    if requested is not None:
+        return requested
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except AttributeError:  # (no affinity API: macOS, Windows)
+        cpus = os.cpu_count() or 1
+    threads = torch.get_num_threads()
+    return max(0, min(cpus - threads, threads))
 
 
 class BucketUpdate:
@@ -179,6 +202,29 @@ class BucketUpdate:
                 len(self._entries), len(self._chunks), opt._backend, self._clip,
                 opt.max_grad_norm, opt._seed, torch.compiler.is_compiling(),
                 self._scale_on(device), *groups)
+
+    def _worker_on(self, device):
+        """The ``submit`` of the ``ReleaseWorker`` (csrc/bindings/release_worker.cpp) that runs
+        this backward's armed releases off its thread, or None: they run in place. CPU only (a
+        GPU's launches are asynchronous already)."""
+        if device.type != "cpu" or torch.compiler.is_compiling():
+            return None
+        threads = worker_threads(self.worker_threads)
+        worker = self._worker
+        if worker is not None and worker[0] != threads:  # (torch.set_num_threads since)
+            worker[1].wait()
+            worker = self._worker = None
+        if threads == 0:
+            return None
+        if worker is None:
+            worker = self._worker = (threads, torch.classes.mpfused.ReleaseWorker(
+                threads, WORKER_PENDING))
+        return worker[1].submit
+
+    def _drain(self) -> None:
+        """Waits for the releases queued on the worker; raises the first one's error."""
+        if self._worker is not None:
+            self._worker[1].wait()
 
     def _release_flags_on(self, device):
         """The ``ReleaseFlags`` the armed steps on a device read, set to this backward's flags

@@ -72,11 +72,16 @@ from mpfused.optim._state_table import epoch as state_epoch
 
 __all__ = ["GradRelease", "step_in_backward"]
 
+# The autograd graph task running (-1 outside a backward): tells a backward that raised before
+# its end (whose end callback never ran) from the next one.
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
+
 DEFAULT_BUCKET_BYTES = 4 * 2**20  # of grads: a few MiB keeps launches few and the peak small
 
 
 def step_in_backward(optimizer, *, scaler=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                     clip: str | None = None, ddp=None, fsdp=None) -> "GradRelease":
+                     clip: str | None = None, ddp=None, fsdp=None,
+                     worker_threads: int | None = None) -> "GradRelease":
     """Attach gradient release to an mpfused optimizer; returns the handle (``.accumulate()``,
     ``.skipped``, ``.remove()``). ``scaler``: the ``mpfused.GradScaler`` the losses are scaled
     with (its scale unscales the grads in the kernel). ``clip="previous"``: clip each bucket
@@ -86,14 +91,19 @@ def step_in_backward(optimizer, *, scaler=None, bucket_bytes: int = DEFAULT_BUCK
     ``DistributedDataParallel`` model the optimizer's params belong to: each DDP bucket steps as
     soon as its all-reduce is done (a DDP communication hook), with the averaged grads.
     ``fsdp``: the fully_shard (FSDP2) root module: each FSDP param group steps on its local
-    shards as soon as its reduce-scatter is done (``bucket_bytes`` does not apply)."""
+    shards as soon as its reduce-scatter is done (``bucket_bytes`` does not apply).
+    ``worker_threads`` (CPU, plain release): the release buckets' updates run on a worker thread
+    with this many OpenMP threads while the backward goes on; 0 runs them in the backward's
+    thread; None (default): as many as the CPUs that torch's intra-op threads leave free (up to
+    ``torch.get_num_threads()``), 0 where none is (``_release_update.worker_threads``)."""
     return GradRelease(optimizer, scaler=scaler, bucket_bytes=bucket_bytes, clip=clip, ddp=ddp,
-                       fsdp=fsdp)
+                       fsdp=fsdp, worker_threads=worker_threads)
 
 
 class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
     def __init__(self, optimizer, *, scaler=None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 clip: str | None = None, ddp=None, fsdp=None):
+                 clip: str | None = None, ddp=None, fsdp=None,
+                 worker_threads: int | None = None):
         if not getattr(optimizer, "_checks_grads_in_step", False):
             raise TypeError("step_in_backward needs an mpfused optimizer, got "
                             f"{type(optimizer).__name__}")
@@ -122,6 +132,10 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
                 "before the gradient reduction)")
         if not isinstance(bucket_bytes, int) or bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+        if worker_threads is not None and (isinstance(worker_threads, bool) or not isinstance(
+                worker_threads, int) or worker_threads < 0):
+            raise ValueError(f"worker_threads must be None or an int >= 0, got "
+                             f"{worker_threads!r}")
         self.optimizer, self.scaler, self.bucket_bytes, self.clip = (optimizer, scaler,
                                                                      bucket_bytes, clip)
         self.skipped: torch.Tensor | None = None
@@ -130,6 +144,7 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
         self._chunk_of: dict[int, tuple[_Chunk, int]] = {}  # id(param) -> (chunk, index)
         self._chunks: list[_Chunk] = []
         self._in_backward = False
+        self._task = None  # the autograd graph task of the backward in progress
         self._found: dict[torch.device, torch.Tensor] = {}  # the backward's flag per device
         self._flags: dict = {}  # device -> _flags_on's tuple, for this backward
         self._scaling: dict = {}  # device -> the launches' scaling keywords without clip, ditto
@@ -137,6 +152,9 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
         self._bucket_found: dict[torch.device, torch.Tensor] = {}  # reused by every bucket
         self._armed_flags: dict = {}  # device -> the ReleaseFlags its armed steps read
         self._armed_signature = None  # what the chunks' calls were made from (_prepare_calls)
+        self.worker_threads = worker_threads
+        self._worker = None  # (threads, ReleaseWorker) of the CPU armed releases (_worker_on)
+        self._submit = None  # this backward's worker.submit, or None: releases run in place
         self._clip = PreviousNormClip(optimizer) if clip == "previous" else None
         self._group_base = [0]  # flat position of each group's first param (for the clip)
         for g in optimizer.param_groups:
@@ -207,6 +225,7 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
     def remove(self) -> None:
         """Detach: hooks removed, ``opt.step()`` steps again (under DDP the communication hook
         stays, as DDP cannot drop one: it then only all-reduces)."""
+        self._drain()
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -285,8 +304,8 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
         def on_grad_ready(p: torch.Tensor) -> None:
             if self._accumulating:
                 return
-            if not self._in_backward:
-                self._start_backward(p.device)
+            if not self._in_backward or _graph_task_id() != self._task:  # (a backward that
+                self._start_backward(p.device)  # raised never reached its end: a new one)
                 self._prepare_calls(p.device)
             ready.add(i)
             if len(ready) == size:
@@ -294,6 +313,11 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
         return on_grad_ready
 
     def _start_backward(self, device, queue_end: bool = True) -> None:
+        self._drain()  # (what a failed backward left queued)
+        self._submit = self._worker_on(device)
+        self._task = _graph_task_id()
+        for chunk in self._chunks:  # (params a failed backward marked ready)
+            chunk.ready.clear()
         self._in_backward, self._pending = True, False
         self._found, self._flags, self._hypers, self._scaling = {}, {}, {}, {}
         self.skipped = torch.zeros((), dtype=torch.int32, device=device)
@@ -303,6 +327,9 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _end_backward(self) -> None:
+        if self._submit is not None:
+            self._submit = None
+            self._drain()
         # chunks with params that got no grad in this backward release what they have
         for chunk in self._chunks:
             if chunk.ready:
@@ -318,9 +345,12 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
                 and call[0] == state_epoch() and call[1] is self.optimizer.state
                 and not torch.is_grad_enabled()):
             chunk.ready.clear()
-            if call[2].run():  # the armed call (_prepare_calls): check, step, grads to None
-                return
+            submit = self._submit
+            if submit(call[2]) if submit is not None else call[2].run():  # the armed call
+                return  # (_prepare_calls): check, step, grads to None; on the worker, queued
             chunk.ready.update(chunk.order)  # a grad set to None by a later hook: below
+        if self._submit is not None:
+            self._drain()  # the updates below share the backward's flags with the queued ones
         ready, params = chunk.order, chunk.params  # (all ready: the lists made at attach)
         if len(chunk.ready) != len(ready):
             ready, group_params = tuple(sorted(chunk.ready)), self.optimizer.param_groups[

@@ -1,0 +1,233 @@
+// ReleaseWorker (torch.classes.mpfused.ReleaseWorker): gradient release's armed bucket updates
+// (ArmedStep, armed_step.h) run on a thread of their own while the backward goes on. Why: on a
+// CPU the backward's autograd ops run on the calling thread, and a release bucket's update, made
+// between two of them, waits on memory (the bucket's states are cold there, ~5x its hot time;
+// benchmarks/results/release-armed-calls-*.txt). A CPU backward of small ops leaves cores idle
+// and its matmuls wait on compute, not on memory: the update fits beside it.
+//
+// What stays on the backward's thread (submit): the grads taken from the params, the params'
+// version counters bumped (an autograd op that saved a param and runs after its release fails
+// as it would with the update made in place there), the grads set to None and the job queued.
+// The worker only checks and steps: no Python, no autograd metadata. The backward's end waits
+// for the queue (wait); at most `max_pending` jobs wait, so the grads alive stay bounded (a
+// submit blocks while the queue is full). An error in a job is raised by the next wait; the jobs
+// queued after it are dropped (their grads were freed), as a failed release ends the backward.
+#include <ATen/Parallel.h>
+#include <ATen/record_function.h>
+#include <c10/core/GradMode.h>
+#include <c10/util/ThreadLocalDebugInfo.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
+#include <torch/library.h>
+
+#include <omp.h>
+#include <unistd.h>
+
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "armed_step.h"
+
+namespace mpfused::bind {
+namespace {
+
+struct ReleaseWorker : torch::CustomClassHolder {
+  // The worker never drops a reference to a tensor or an object Python may also hold: the last
+  // reference to a tensor whose Python object was preserved by C++ (or to state holding a
+  // PyObject) frees it under the GIL, which the backward's thread holds while it waits here.
+  // Finished jobs go back to the backward's thread (`finished`) and are freed there, at its
+  // next submit or wait (their grads a bucket later: the grads alive stay a few buckets').
+  // For the same reason the worker runs under a state made of C++ parts only: grad mode off
+  // (as the backward's), and the profiler's debug info and RecordFunction callbacks (a profiler
+  // records the worker's ops), not the whole at::ThreadLocalState (Python mode stacks).
+  struct Job {
+    c10::intrusive_ptr<ArmedStep> armed;
+    std::vector<at::Tensor> grads;
+    c10::intrusive_ptr<ReleaseFlags> flags;  // the backward's flags as they were at the submit
+    std::shared_ptr<c10::ThreadLocalDebugInfo> debug_info;
+    at::RecordFunctionTLS record_functions;
+  };
+
+  const int threads;
+  const size_t max_pending;
+  // The lock and the conditions, replaced (the old ones leaked) in a forked child: a condition
+  // the parent's thread waited on at the fork is not usable in the child (a signal blocks).
+  struct Sync {
+    std::mutex mutex;
+    std::condition_variable work, done;
+  };
+  std::unique_ptr<Sync> sync = std::make_unique<Sync>();
+  std::deque<Job> queue;
+  std::vector<Job> finished;  // run (or dropped), to be freed on the backward's thread
+  bool busy = false, stop = false;
+  int64_t done_count = 0;  // releases run to the end (tests: the worker served them)
+  std::exception_ptr error;
+  std::unique_ptr<std::thread> thread;  // started by the first submit
+  pid_t owner = 0;                      // the process that started it (0: none yet)
+
+  ReleaseWorker(int64_t threads, int64_t max_pending)
+      : threads(int(threads)), max_pending(size_t(max_pending)) {
+    TORCH_CHECK(threads >= 1, "mpfused: ReleaseWorker threads must be >= 1, got ", threads);
+    TORCH_CHECK(max_pending >= 1, "mpfused: ReleaseWorker max_pending must be >= 1, got ",
+                max_pending);
+  }
+
+  ~ReleaseWorker() override {
+    if (forked()) {  // the thread and the lock are the parent's: nothing to join, leaked
+      (void)thread.release(), (void)sync.release();
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(sync->mutex);
+      stop = true;
+    }
+    sync->work.notify_all();
+    if (thread) thread->join();
+  }
+
+  bool forked() const { return owner != 0 && owner != getpid(); }
+
+  // In a child forked after the thread started, the thread, its lock and its jobs are the
+  // parent's (a fork-based DataLoader worker, say): the child starts afresh, and its own thread
+  // at its first submit. (No lock: in the child the thread does not exist.)
+  void after_fork() {
+    if (!forked()) return;
+    (void)thread.release(), (void)sync.release();
+    sync = std::make_unique<Sync>();
+    queue.clear(), finished.clear();
+    busy = false, owner = 0;
+  }
+
+  // Queues the armed release; false (nothing done) where it must run on this thread instead: a
+  // param without a grad (ArmedStep.run's rule), or a Python dispatch mode active (the step would
+  // call into Python from the worker, which holds no GIL).
+  bool submit(const c10::intrusive_ptr<ArmedStep>& armed) {
+    if (c10::impl::TorchDispatchModeTLS::any_modes_set() || c10::GradMode::is_enabled())
+      return false;  // (grad mode on: backward(create_graph=True), which the caller refuses too)
+    after_fork();
+    free_finished();
+    std::vector<at::Tensor> grads;
+    grads.reserve(armed->params.size());
+    for (const at::Tensor& p : armed->params) {
+      const at::Tensor& g = p.grad();
+      if (!g.defined()) return false;
+      grads.push_back(g);
+    }
+    TORCH_CHECK(armed->flags->found.defined(),
+                "mpfused: ReleaseWorker.submit before the armed step's flags were set");
+    Job job{armed, std::move(grads), c10::make_intrusive<ReleaseFlags>(),
+            c10::ThreadLocalDebugInfo::current(), at::get_record_function_tls_()};
+    const ReleaseFlags& f = *armed->flags;
+    job.flags->set(f.found, f.inv_scale, f.found_total, f.skipped);
+    for (const at::Tensor& p : armed->params) {
+      if (!p.is_inference()) p.unsafeGetTensorImpl()->bump_version();
+      p.mutable_grad().reset();  // p.grad = None
+    }
+    {
+      std::unique_lock<std::mutex> lock(sync->mutex);
+      if (!thread) {
+        owner = getpid();
+        thread = std::make_unique<std::thread>([this] { loop(); });
+      }
+      sync->done.wait(lock, [this] { return queue.size() < max_pending; });
+      queue.push_back(std::move(job));
+    }
+    sync->work.notify_one();
+    return true;
+  }
+
+  // Blocks until every queued release is done and frees them; raises the first error since
+  // the last wait.
+  void wait() {
+    after_fork();
+    std::exception_ptr e;
+    {
+      std::unique_lock<std::mutex> lock(sync->mutex);
+      sync->done.wait(lock, [this] { return queue.empty() && !busy; });
+      std::swap(e, error);
+    }
+    free_finished();
+    if (e) std::rethrow_exception(e);
+  }
+
+  void free_finished() {
+    std::vector<Job> jobs;
+    {
+      std::lock_guard<std::mutex> lock(sync->mutex);
+      jobs.swap(finished);
+    }
+  }  // (freed here, outside the lock)
+
+  bool idle() {
+    after_fork();
+    std::lock_guard<std::mutex> lock(sync->mutex);
+    return queue.empty() && !busy;
+  }
+
+  int64_t completed() {
+    after_fork();
+    std::lock_guard<std::mutex> lock(sync->mutex);
+    return done_count;
+  }
+
+  void loop() {
+    // the step kernels fork at::get_num_threads() threads: this thread's OpenMP team is its own
+    // (torch's lazy per-thread initialisation first, or it would undo the setting)
+    at::get_num_threads();
+    omp_set_num_threads(threads);
+    c10::AutoGradMode no_grad(false);
+    for (;;) {
+      std::optional<Job> job;
+      bool failed;
+      {
+        std::unique_lock<std::mutex> lock(sync->mutex);
+        sync->work.wait(lock, [this] { return stop || !queue.empty(); });
+        if (queue.empty()) return;  // (stop)
+        job.emplace(std::move(queue.front()));
+        queue.pop_front();
+        busy = true;
+        failed = bool(error);
+      }
+      sync->done.notify_all();  // a place in the queue is free
+      std::exception_ptr e;
+      if (!failed) {
+        const at::RecordFunctionTLS outer = at::get_record_function_tls_();
+        try {
+          c10::DebugInfoGuard debug(job->debug_info);
+          at::set_record_function_tls_(job->record_functions);
+          job->armed->check_and_step(job->grads, *job->flags);
+        } catch (...) {
+          e = std::current_exception();
+        }
+        at::set_record_function_tls_(outer);
+      }
+      {
+        std::lock_guard<std::mutex> lock(sync->mutex);
+        finished.push_back(std::move(*job));
+        if (e && !error) error = e;
+        if (!failed && !e) ++done_count;
+        busy = false;
+      }
+      sync->done.notify_all();
+    }
+  }
+};
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mpfused, m) {
+  m.class_<ReleaseWorker>("ReleaseWorker")
+      .def(torch::init<int64_t, int64_t>())
+      .def("submit", &ReleaseWorker::submit)
+      .def("wait", &ReleaseWorker::wait)
+      .def("idle", &ReleaseWorker::idle)
+      .def("completed", &ReleaseWorker::completed);
+}
+
+}  // namespace mpfused::bind
