@@ -69,10 +69,13 @@ def main(argv=None) -> list[dict]:
                      "of_full": peaks.get(m, peaks[ORDINARY[0]]) / peaks[ORDINARY[0]],
                      "median_ms": 1e3 * statistics.median(times[m]),
                      "ratio_median": statistics.median(ratios)})
-    return report("release-toggle", args, rows, ["mode", "buckets", "grads_alive_kib",
-                                                 "of_full", "median_ms", "ratio_median"],
+    name = "release-toggle" + ("-worker" if any(args.workers) else "") + (
+        f"-{args.size}" if args.size != "small" else "")
+    return report(name, args, rows, ["mode", "buckets", "grads_alive_kib", "of_full",
+                                     "median_ms", "ratio_median"],
                   "one model and optimizer, modes alternating step by step; ratio_median: per "
-                  "round, against 'ordinary'")
+                  "round, against 'ordinary'; grads_alive: the p.grad bytes (a worker mode also "
+                  "holds the grads of up to WORKER_PENDING + 1 buckets it has taken)")
 
 
 class _attached:

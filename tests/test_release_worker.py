@@ -77,12 +77,13 @@ def test_a_failed_release_fails_the_backward(worker_threads):
     assert all(not torch.equal(a, q) for a, q in zip(before, model.parameters()))
 
 
-@pytest.mark.parametrize("worker_threads", [1], ids=["worker"])
+@pytest.mark.parametrize("worker_threads", [0, 1], ids=["in-backward", "worker"])
 def test_a_param_needed_after_its_release_fails_autograd(worker_threads):
     """x @ w.detach() early in the forward, w used for real later: w's grad is complete (and
     w released) before the earlier op's backward, which needs w's old value. Autograd's
-    version check must refuse it in both modes: the worker bumps w's version at the submit, so
-    the check does not race the update."""
+    version check must refuse it in both modes (the step op bumps w's version,
+    csrc/bindings/op_versions.cpp; the worker bumps it at the submit, so the check does not
+    race the update)."""
     torch.manual_seed(0)
     first = torch.nn.Linear(8, 8).bfloat16()
     w = torch.nn.Parameter(torch.randn(8, 8).bfloat16())
@@ -93,9 +94,7 @@ def test_a_param_needed_after_its_release_fails_autograd(worker_threads):
         h = first(torch.randn(4, 8).bfloat16())
         h = h @ w.detach()  # saves w (a view sharing its version counter)
         return (h @ w).float().square().mean()
-    loss().backward()  # the first step makes the state (no armed call yet)
-    opt.zero_grad()
-    for step in range(2):
+    for step in range(3):  # (the first through _update: no state, no armed call yet)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             loss().backward()
         opt.zero_grad()
