@@ -61,8 +61,8 @@ def worker_threads(requested: int | None) -> int:
     run on that torch's intra-op threads leave free, at most ``torch.get_num_threads()``. Why
     only free ones: beside a backward that keeps every CPU busy the worker slowed the step
     (2-core VM, 2 intra-op threads: 1.03-1.05x the ordinary step against 1.01-1.02x with the
-    updates in the backward's thread), beside one that leaves a CPU free it sped it up (1
-    intra-op thread: 0.98-0.99x; benchmarks/results/release-worker-*.txt)."""
+    updates in the backward's thread); beside one that leaves a CPU free it was as fast or up to
+    1% faster (1 intra-op thread; benchmarks/results/release-toggle-worker-*.json)."""
     if requested is not None:
         return requested
     try:

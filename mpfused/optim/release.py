@@ -52,6 +52,10 @@ Rules (README, "Gradient release"):
   ``clip="previous"`` works there too: each bucket's per-param sums of squares are
   SUM-all-reduced over the shard dims (not HSDP's replicate dim) right after the flag, so every
   rank clips with the global norm estimate. FSDP2 release has never run on a GPU (gloo, CPU).
+* CPU, plain release: ``worker_threads`` (default: the CPUs torch's intra-op threads leave
+  free) runs the armed bucket updates on a native worker thread beside the backward
+  (``csrc/bindings/release_worker.cpp``); the backward's end waits for them and raises their
+  error. Inside the backward a released bucket's params may still be changing there.
 * Several ranks without ``ddp=`` / ``fsdp=`` are refused (the hooks would fire before the
   gradient reduction).
 """
