@@ -9,6 +9,7 @@ import types
 import pytest
 import torch
 
+import mpfused
 from mpfused.bench import main
 from mpfused.bench.memory import training_state_bytes
 from mpfused.bench.recipes import RECIPES
@@ -219,3 +220,36 @@ def test_bench_release_toggle_tiny_run(tmp_path, monkeypatch):
     assert rows[2]["buckets"] > rows[3]["buckets"] >= 1
     assert rows[2]["grads_alive_kib"] < rows[3]["grads_alive_kib"] <= rows[0]["grads_alive_kib"]
     assert built[0].optimizer._grad_release is None
+
+
+def test_bench_release_toggle_worker_modes(tmp_path, monkeypatch):
+    """--workers: a release mode per bucket size and worker thread count; the worker mode's
+    handle ran its releases on the worker."""
+    import benchmarks.common
+    from benchmarks import bench_release_toggle
+
+    monkeypatch.setattr(benchmarks.common, "RESULTS", tmp_path)
+    monkeypatch.setattr(bench_release_toggle, "WARMUP", 1)
+    seen = []
+    real = mpfused.step_in_backward
+
+    def attach(*a, **k):
+        seen.append(real(*a, **k))
+        return seen[-1]
+    monkeypatch.setattr(mpfused, "step_in_backward", attach)
+    rows = bench_release_toggle.main(["--size", "tiny", "--rounds", "2", "--kib", "4",
+                                      "--workers", "0", "1"])
+    assert [r["mode"] for r in rows] == ["ordinary", "ordinary-b", "release 4 KiB",
+                                         "release 4 KiB worker 1"]
+    assert seen[0]._worker is None and seen[1]._worker[1].completed() > 0
+    assert list(tmp_path.glob("release-toggle-worker-*"))
+
+
+def test_bench_op_versions_tiny_run(tmp_path, monkeypatch):
+    """bench_op_versions: both modes step the same optimizer; the bumps are what differs."""
+    import benchmarks.common
+    from benchmarks import bench_op_versions
+
+    monkeypatch.setattr(benchmarks.common, "RESULTS", tmp_path)
+    rows = bench_op_versions.main(["--tensors", "50", "--numel", "8", "--rounds", "2"])
+    assert [r["mode"] for r in rows] == ["bumps", "no bumps"] and rows[1]["ratio"] == 1.0
