@@ -9,10 +9,10 @@ is measured. Here every mode updates the same tensors, and a second ordinary mod
 Attaching and removing happen outside the timed step. All modes compute the same update
 (tests/test_release_reattach.py), so the training goes on as one run. ``--workers``: the
 release worker's thread counts to time (``step_in_backward(worker_threads=)``; 0: the updates
-in the backward's thread, the only mode where every CPU runs an intra-op thread).
+in the backward's thread; auto: the default, ``worker_threads=None``).
 
     python -m benchmarks.bench_release_toggle [--pair mpfused] [--kib 128 256 1024 4096]
-        [--rounds 100] [--threads 2] [--workers 0 1]
+        [--rounds 100] [--threads 2] [--workers 0 1 auto]
 """
 from __future__ import annotations
 
@@ -33,9 +33,10 @@ ORDINARY = ("ordinary", "ordinary-b")
 
 def main(argv=None) -> list[dict]:
     args = bucket_size_args(argv, __doc__, [128, 256, 1024, 4096], 100,
-                            more=lambda ap: ap.add_argument("--workers", type=int, nargs="+",
-                                                            default=[0]))
-    releases = [(kib, w) for kib in args.kib for w in args.workers]
+                            more=lambda ap: ap.add_argument("--workers", nargs="+",
+                                                            default=["0"]))
+    workers = [None if w == "auto" else int(w) for w in args.workers]
+    releases = [(kib, w) for kib in args.kib for w in workers]
     job = main_job(args.size, 0, (args.rounds + WARMUP) * (len(releases) + 2) + 1)
     setup = RECIPES[args.pair].build(job.base, torch.device("cpu"), torch.bfloat16, job.hp)
     opt = setup.optimizer
@@ -62,20 +63,29 @@ def main(argv=None) -> list[dict]:
     rows = []
     for m in modes:
         ratios = [b / a for a, b in zip(times[ORDINARY[0]], times[m])]
-        rows.append({"mode": m if m in ORDINARY else f"release {m[0]} KiB" + (
-                         f" worker {m[1]}" if m[1] else ""),
+        rows.append({"mode": m if m in ORDINARY else f"release {m[0]} KiB" + _worker_name(
+                         m[1], handles[m]),
                      "buckets": len(handles[m]._chunks) if m in handles else "-",
                      "grads_alive_kib": peaks.get(m, peaks[ORDINARY[0]]) / 1024,
                      "of_full": peaks.get(m, peaks[ORDINARY[0]]) / peaks[ORDINARY[0]],
                      "median_ms": 1e3 * statistics.median(times[m]),
                      "ratio_median": statistics.median(ratios)})
-    name = "release-toggle" + ("-worker" if any(args.workers) else "") + (
+    name = "release-toggle" + ("-worker" if any(w != 0 for w in workers) else "") + (
         f"-{args.size}" if args.size != "small" else "")
     return report(name, args, rows, ["mode", "buckets", "grads_alive_kib", "of_full",
                                      "median_ms", "ratio_median"],
                   "one model and optimizer, modes alternating step by step; ratio_median: per "
                   "round, against 'ordinary'; grads_alive: the p.grad bytes (a worker mode also "
                   "holds the grads of up to WORKER_PENDING + 1 buckets it has taken)")
+
+
+def _worker_name(requested, handle) -> str:
+    """" worker N" / " worker auto (N)"; "" for the backward's thread."""
+    if requested == 0:
+        return ""
+    if requested is not None:
+        return f" worker {requested}"
+    return f" worker auto ({handle._worker[0] if handle._worker is not None else 0})"
 
 
 class _attached:

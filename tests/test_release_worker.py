@@ -149,12 +149,13 @@ def test_a_forked_child_starts_its_own_worker():
 
 
 def test_worker_threads_default_and_refusals(monkeypatch):
+    """Default: the CPUs torch's intra-op threads leave free, at most as many as they are."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
     for cpus, want in ((2, 0), (3, 1), (4, 2), (16, 2), (1, 0)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda _, n=cpus: set(range(n)),
                             raising=False)
         assert _release_update.worker_threads(None) == want
-    assert _release_update.worker_threads(3) == 3
+    assert _release_update.worker_threads(3) == 3 and _release_update.worker_threads(0) == 0
     model = _model(torch.float32)
     for bad in (-1, 1.0, True, "2"):
         with pytest.raises(ValueError, match="worker_threads must be None or an int >= 0"):
@@ -177,3 +178,27 @@ def test_a_changed_thread_count_makes_a_new_worker(monkeypatch):
     _loss(model, torch.randn(5, 24).bfloat16()).backward()
     assert release._worker is None and all(p.grad is None for p in model.parameters())
     assert served > 0
+
+
+def test_the_backward_thread_runs_what_the_worker_does_not_take():
+    """A worker that takes no job (paused here; one that gets no CPU on a busy machine): a
+    submit to a full queue runs its oldest job on the backward's thread, and the backward's end
+    runs the rest; bit-identical to the ordinary step, one job at a time."""
+    case = "AdamW8bit-bf16-remainder"
+    handles = []
+    real = _release_update.BucketUpdate._worker_on
+
+    def paused(self, device):
+        submit = real(self, device)
+        if submit is not None:
+            self._worker[1].pause(True)
+        return submit
+    _release_update.BucketUpdate._worker_on = paused
+    try:
+        released = _train(case, True, "native", 8, bucket_bytes=600, worker_threads=1,
+                          handles=handles)
+    finally:
+        _release_update.BucketUpdate._worker_on = real
+    _assert_identical(_train(case, False, "native", 8), released)
+    worker = handles[0]._worker[1]
+    assert worker.completed() == worker.stolen() > 8 * _release_update.WORKER_PENDING

@@ -9,8 +9,10 @@
 // version counters bumped (an autograd op that saved a param and runs after its release fails
 // as it would with the update made in place there), the grads set to None and the job queued.
 // The worker only checks and steps: no Python, no autograd metadata. The backward's end waits
-// for the queue (wait); at most `max_pending` jobs wait, so the grads alive stay bounded (a
-// submit blocks while the queue is full). An error in a job is raised by the next wait; the jobs
+// for the queue (wait); at most `max_pending` jobs wait, so the grads alive stay bounded. Where
+// it would wait (a full queue, the backward's end) the backward's thread runs queued jobs itself
+// (help_until), one job at a time on either thread: a worker that gets no CPU (a machine busy
+// with other work) holds nothing up but the job it runs. An error in a job is raised by the next wait; the jobs
 // queued after it are dropped (their grads were freed), as a failed release ends the backward.
 #include <ATen/Parallel.h>
 #include <ATen/record_function.h>
@@ -65,8 +67,9 @@ struct ReleaseWorker : torch::CustomClassHolder {
   std::unique_ptr<Sync> sync = std::make_unique<Sync>();
   std::deque<Job> queue;
   std::vector<Job> finished;  // run (or dropped), to be freed on the backward's thread
-  bool busy = false, stop = false;
-  int64_t done_count = 0;  // releases run to the end (tests: the worker served them)
+  bool busy = false, stop = false, paused = false;
+  int64_t done_count = 0;    // releases run to the end (tests: the worker served them)
+  int64_t stolen_count = 0;  // of them, run on the backward's thread (help_until)
   std::exception_ptr error;
   std::unique_ptr<std::thread> thread;  // started by the first submit
   pid_t owner = 0;                      // the process that started it (0: none yet)
@@ -85,7 +88,7 @@ struct ReleaseWorker : torch::CustomClassHolder {
     }
     {
       std::lock_guard<std::mutex> lock(sync->mutex);
-      stop = true;
+      stop = true, paused = false;
     }
     sync->work.notify_all();
     if (thread) thread->join();
@@ -135,7 +138,9 @@ struct ReleaseWorker : torch::CustomClassHolder {
         owner = getpid();
         thread = std::make_unique<std::thread>([this] { loop(); });
       }
-      sync->done.wait(lock, [this] { return queue.size() < max_pending; });
+      // a full queue: run its oldest job here rather than wait for a worker that may not get a
+      // CPU (a machine busy with other work)
+      help_until(lock, [this] { return queue.size() < max_pending; });
       queue.push_back(std::move(job));
     }
     sync->work.notify_one();
@@ -149,7 +154,7 @@ struct ReleaseWorker : torch::CustomClassHolder {
     std::exception_ptr e;
     {
       std::unique_lock<std::mutex> lock(sync->mutex);
-      sync->done.wait(lock, [this] { return queue.empty() && !busy; });
+      help_until(lock, [this] { return queue.empty() && !busy; });
       std::swap(e, error);
     }
     free_finished();
@@ -176,45 +181,92 @@ struct ReleaseWorker : torch::CustomClassHolder {
     return done_count;
   }
 
+  // Tests: a paused worker takes no job (the backward's thread then runs them all), as one that
+  // never gets a CPU.
+  void pause(bool on) {
+    after_fork();
+    {
+      std::lock_guard<std::mutex> lock(sync->mutex);
+      paused = on;
+    }
+    sync->work.notify_one();
+  }
+
+  int64_t stolen() {  // jobs the backward's thread ran itself (help_until)
+    after_fork();
+    std::lock_guard<std::mutex> lock(sync->mutex);
+    return stolen_count;
+  }
+
+  // On the backward's thread, under `lock`: until `ready()`, run the oldest queued job here
+  // whenever no job is running, else wait. One job runs at a time, on either thread (`busy`):
+  // the jobs share the backward's flags and the bucket-found scratch tensor.
+  template <class Ready>
+  void help_until(std::unique_lock<std::mutex>& lock, Ready ready) {
+    while (!ready()) {
+      if (!queue.empty() && !busy) {
+        std::optional<Job> job;
+        const bool failed = take(job);
+        ++stolen_count;
+        lock.unlock();
+        run(job, failed);
+        lock.lock();
+      } else {
+        sync->done.wait(lock);
+      }
+    }
+  }
+
+  // Under the lock: the oldest queued job, marked running; whether an earlier one failed.
+  bool take(std::optional<Job>& job) {
+    job.emplace(std::move(queue.front()));
+    queue.pop_front();
+    busy = true;
+    return bool(error);
+  }
+
+  // Outside the lock: the job run (not if an earlier one failed), then handed to `finished`.
+  void run(std::optional<Job>& job, bool failed) {
+    std::exception_ptr e;
+    if (!failed) {
+      c10::AutoGradMode no_grad(false);
+      const at::RecordFunctionTLS outer = at::get_record_function_tls_();
+      try {
+        c10::DebugInfoGuard debug(job->debug_info);
+        at::set_record_function_tls_(job->record_functions);
+        job->armed->check_and_step(job->grads, *job->flags);
+      } catch (...) {
+        e = std::current_exception();
+      }
+      at::set_record_function_tls_(outer);
+    }
+    {
+      std::lock_guard<std::mutex> lock(sync->mutex);
+      finished.push_back(std::move(*job));
+      if (e && !error) error = e;
+      if (!failed && !e) ++done_count;
+      busy = false;
+    }
+    sync->done.notify_all();  // a place in the queue is free, no job runs
+    sync->work.notify_one();
+  }
+
   void loop() {
     // the step kernels fork at::get_num_threads() threads: this thread's OpenMP team is its own
     // (torch's lazy per-thread initialisation first, or it would undo the setting)
     at::get_num_threads();
     omp_set_num_threads(threads);
-    c10::AutoGradMode no_grad(false);
     for (;;) {
       std::optional<Job> job;
       bool failed;
       {
         std::unique_lock<std::mutex> lock(sync->mutex);
-        sync->work.wait(lock, [this] { return stop || !queue.empty(); });
+        sync->work.wait(lock, [this] { return !busy && !paused && (stop || !queue.empty()); });
         if (queue.empty()) return;  // (stop)
-        job.emplace(std::move(queue.front()));
-        queue.pop_front();
-        busy = true;
-        failed = bool(error);
+        failed = take(job);
       }
       sync->done.notify_all();  // a place in the queue is free
-      std::exception_ptr e;
-      if (!failed) {
-        const at::RecordFunctionTLS outer = at::get_record_function_tls_();
-        try {
-          c10::DebugInfoGuard debug(job->debug_info);
-          at::set_record_function_tls_(job->record_functions);
-          job->armed->check_and_step(job->grads, *job->flags);
-        } catch (...) {
-          e = std::current_exception();
-        }
-        at::set_record_function_tls_(outer);
-      }
-      {
-        std::lock_guard<std::mutex> lock(sync->mutex);
-        finished.push_back(std::move(*job));
-        if (e && !error) error = e;
-        if (!failed && !e) ++done_count;
-        busy = false;
-      }
-      sync->done.notify_all();
+      run(job, failed);
     }
   }
 };
@@ -227,7 +279,9 @@ TORCH_LIBRARY_FRAGMENT(mpfused, m) {
       .def("submit", &ReleaseWorker::submit)
       .def("wait", &ReleaseWorker::wait)
       .def("idle", &ReleaseWorker::idle)
-      .def("completed", &ReleaseWorker::completed);
+      .def("completed", &ReleaseWorker::completed)
+      .def("stolen", &ReleaseWorker::stolen)
+      .def("pause", &ReleaseWorker::pause);
 }
 
 }  // namespace mpfused::bind

@@ -62,7 +62,10 @@ def worker_threads(requested: int | None) -> int:
     only free ones: beside a backward that keeps every CPU busy the worker slowed the step
     (2-core VM, 2 intra-op threads: 1.03-1.05x the ordinary step against 1.01-1.02x with the
     updates in the backward's thread); beside one that leaves a CPU free it was as fast or up to
-    1% faster (1 intra-op thread; benchmarks/results/release-toggle-worker-*.json)."""
+    1% faster (1 intra-op thread; benchmarks/results/release-toggle-worker-*.json). A worker at
+    idle priority (SCHED_IDLE) beside the busy backward was tried and left out: with the
+    backward's thread running what the worker had not taken it matched the in-place updates
+    (1.02-1.03x), without, a worker starved by other processes would hold up the backward."""
     if requested is not None:
         return requested
     try:
@@ -206,7 +209,7 @@ class BucketUpdate:
     def _worker_on(self, device):
         """The ``submit`` of the ``ReleaseWorker`` (csrc/bindings/release_worker.cpp) that runs
         this backward's armed releases off its thread, or None: they run in place. CPU only (a
-        GPU's launches are asynchronous already)."""
+        GPU's launches are asynchronous already). ``self._worker``: (threads, worker)."""
         if device.type != "cpu" or torch.compiler.is_compiling():
             return None
         threads = worker_threads(self.worker_threads)
