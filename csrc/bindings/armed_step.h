@@ -36,19 +36,30 @@ struct ArmedStep : torch::CustomClassHolder {
 
   bool set(int64_t index, double value) { return set_double(index, value); }
 
-  // The release: false (nothing done) if a param has no grad (a later hook set it to None: the
-  // caller's general path steps the others); else check, step, then the grads set to None.
-  bool run() const {
-    std::vector<at::Tensor> grads;
+  // The params' grads into `grads`; false if one has none (a later hook set it to None: the
+  // caller's general path steps the others).
+  bool take_grads(std::vector<at::Tensor>& grads) const {
     grads.reserve(params.size());
     for (const at::Tensor& p : params) {
       const at::Tensor& g = p.grad();
       if (!g.defined()) return false;
       grads.push_back(g);
     }
-    TORCH_CHECK(flags->found.defined(), "mpfused: ArmedStep.run before its flags were set");
-    check_and_step(grads, *flags);
+    TORCH_CHECK(flags->found.defined(), "mpfused: an armed step ran before its flags were set");
+    return true;
+  }
+
+  void free_grads() const {
     for (const at::Tensor& p : params) p.mutable_grad().reset();  // p.grad = None
+  }
+
+  // The release: false (nothing done) if a param has no grad; else check, step, then the grads
+  // set to None.
+  bool run() const {
+    std::vector<at::Tensor> grads;
+    if (!take_grads(grads)) return false;
+    check_and_step(grads, *flags);
+    free_grads();
     return true;
   }
 };

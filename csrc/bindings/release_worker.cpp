@@ -116,22 +116,14 @@ struct ReleaseWorker : torch::CustomClassHolder {
     after_fork();
     free_finished();
     std::vector<at::Tensor> grads;
-    grads.reserve(armed->params.size());
-    for (const at::Tensor& p : armed->params) {
-      const at::Tensor& g = p.grad();
-      if (!g.defined()) return false;
-      grads.push_back(g);
-    }
-    TORCH_CHECK(armed->flags->found.defined(),
-                "mpfused: ReleaseWorker.submit before the armed step's flags were set");
+    if (!armed->take_grads(grads)) return false;
     Job job{armed, std::move(grads), c10::make_intrusive<ReleaseFlags>(),
             c10::ThreadLocalDebugInfo::current(), at::get_record_function_tls_()};
     const ReleaseFlags& f = *armed->flags;
     job.flags->set(f.found, f.inv_scale, f.found_total, f.skipped);
-    for (const at::Tensor& p : armed->params) {
+    for (const at::Tensor& p : armed->params)
       if (!p.is_inference()) p.unsafeGetTensorImpl()->bump_version();
-      p.mutable_grad().reset();  // p.grad = None
-    }
+    armed->free_grads();
     {
       std::unique_lock<std::mutex> lock(sync->mutex);
       if (!thread) {
@@ -168,12 +160,6 @@ struct ReleaseWorker : torch::CustomClassHolder {
       jobs.swap(finished);
     }
   }  // (freed here, outside the lock)
-
-  bool idle() {
-    after_fork();
-    std::lock_guard<std::mutex> lock(sync->mutex);
-    return queue.empty() && !busy;
-  }
 
   int64_t completed() {
     after_fork();
@@ -278,7 +264,6 @@ TORCH_LIBRARY_FRAGMENT(mpfused, m) {
       .def(torch::init<int64_t, int64_t>())
       .def("submit", &ReleaseWorker::submit)
       .def("wait", &ReleaseWorker::wait)
-      .def("idle", &ReleaseWorker::idle)
       .def("completed", &ReleaseWorker::completed)
       .def("stolen", &ReleaseWorker::stolen)
       .def("pause", &ReleaseWorker::pause);

@@ -166,16 +166,20 @@ class Op:
         if backend is None or backend == "auto":
             return self.overload(*args, **kwargs)
         if backend == "native" or not torch.compiler.is_compiling():
-            out = self.impl(backend, _first_device_type(args))(*args, **kwargs)
-            if backend == "triton":
-                self._bump_written(args, kwargs)
-            return out
+            return self._run(backend, args, kwargs)
         return _run_eagerly(self, backend, args, kwargs)
 
+    def _run(self, backend: str, args, kwargs):
+        """The explicit call; after a Triton one, which writes through pointers, what the
+        dispatcher's ADInplaceOrView kernel does (csrc/bindings/op_versions.cpp): the version of
+        every tensor the schema marks written bumped (the reference's in-place ops bump their
+        own; native is the dispatcher op)."""
+        out = self.impl(backend, _first_device_type(args))(*args, **kwargs)
+        if backend == "triton":
+            self._bump_written(args, kwargs)
+        return out
+
     def _bump_written(self, args, kwargs) -> None:
-        """What the dispatcher's ADInplaceOrView kernel does (csrc/bindings/op_versions.cpp)
-        for an explicit Triton call, which writes through pointers: the version of every
-        tensor the schema marks written bumped (the reference's in-place ops bump their own)."""
         schema = self.overload._schema.arguments
         named = dict(zip((a.name for a in schema), args)) | kwargs
         for a in schema:
@@ -191,10 +195,7 @@ def _run_eagerly(op: "Op", backend: str, args, kwargs):
     """An explicit Triton/reference request under ``torch.compile`` runs eagerly behind a graph
     break: traced, its Python would be re-fused by the compiler and round differently from the
     eager step (the dispatcher op, the default, needs no break: it is one opaque node)."""
-    out = op.impl(backend, _first_device_type(args))(*args, **kwargs)
-    if backend == "triton":
-        op._bump_written(args, kwargs)
-    return out
+    return op._run(backend, args, kwargs)
 
 
 def _first_device_type(args) -> str:

@@ -51,8 +51,8 @@ def _pure_launch_args(cls) -> bool:
                for name in ("_launch_args", "_hyper"))
 
 
-# Release buckets queued on the worker at most: the grads alive stay a few buckets' (a submit
-# waits while the queue is full).
+# Release buckets queued on the worker at most: the grads alive stay a few buckets' (at a full
+# queue the backward's thread runs the oldest itself).
 WORKER_PENDING = 2
 
 
