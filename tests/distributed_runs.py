@@ -134,6 +134,28 @@ def _train_dist(name, rank, release=False):
     return out
 
 
+def _release_without_step(rank):
+    """DDP release in a loop that leaves out opt.step() (a no-op while released), the lr changed
+    before each backward as a scheduler would: every backward starts afresh in its first comm
+    hook (the lr read anew). The ordinary DDP step with opt.step() alongside, same lrs."""
+    import mpfused
+    out = {}
+    for release in (False, True):
+        model = _wrap(make_model("float32"), "ddp", (2,))
+        opt = make_optim(model.parameters(), "AdamW", None)
+        if release:
+            mpfused.step_in_backward(opt, ddp=model)
+        for step in range(4):
+            for g in opt.param_groups:
+                g["lr"] = 1e-2 / (1 + step)
+            opt.zero_grad(set_to_none=True)
+            loss_fn(model, *batch(step + 10, rank, "float32")).backward()
+            if not release:
+                opt.step()
+        out["released" if release else "ordinary"] = params_of(model)
+    return out
+
+
 def _inject_inf_one_rank(rank, engine, mesh_shape):
     """Inf written into rank 1's grad after the backward (its reduction is done): every rank must
     skip (FSDP2: via the DTensor mesh; DDP: via process_group=)."""
@@ -234,6 +256,7 @@ def _worker_main(launch, rank, world, out_dir):
             if CONFIGS[name][3] != "AdamW8bit" or _has_8bit()}
     jobs["inject"] = lambda: _inject_inf_one_rank(rank, launch, (2,))
     if launch == "ddp":
+        jobs["release_without_step"] = lambda: _release_without_step(rank)
         for name, base in RELEASE_CONFIGS.items():
             if CONFIGS[base][3] != "AdamW8bit" or _has_8bit():
                 jobs[name] = lambda base=base: _train_dist(base, rank, release=True)

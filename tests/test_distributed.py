@@ -154,6 +154,16 @@ def test_ddp_release_equals_ddp_step(request, name):
         assert all(torch.equal(before[k], after[k]) for k in before), rank
 
 
+def test_ddp_release_without_opt_step(request):
+    """A DDP release loop without opt.step() (and so without the step's reset): each backward
+    is still a new one (started in its first comm hook, ended after DDP's own end of backward),
+    reading the lr set since. Bit-identical to the ordinary DDP step."""
+    for rank, res in enumerate(_results(request, "release_without_step", "ddp_results")):
+        assert res["released"].keys() == res["ordinary"].keys()
+        for k, v in res["ordinary"].items():
+            assert torch.equal(res["released"][k], v), (rank, k)
+
+
 @pytest.mark.parametrize("name", [n for n in CONFIGS if CONFIGS[n][3] == "AdamW8bit"])
 def test_8bit_rule_on_global_shape(request, name):
     results = _results(request, name)

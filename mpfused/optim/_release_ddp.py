@@ -13,7 +13,7 @@ import torch
 
 class DDPRelease:
     """The DDP part of ``GradRelease`` (which provides ``optimizer``, ``_accumulating``,
-    ``_in_backward``, ``_start_backward`` and ``_update``)."""
+    ``_backward_open``, ``_start_backward`` and ``_update``)."""
 
     def _watch_ddp(self, ddp) -> None:
         self._lock = threading.Lock()
@@ -39,6 +39,12 @@ class DDPRelease:
         skips the same buckets."""
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
+        # Here, in the backward's thread (the steps below may run on the backend's), a new
+        # backward starts: its end callback is queued after DDP's own, which waits for them.
+        if (self.optimizer._grad_release is self and not self._accumulating
+                and not self._backward_open()):
+            self._start_backward(bucket.parameters()[0].device)
+
         def step(fut):
             if self.optimizer._grad_release is self and not self._accumulating:
                 with self._lock, torch.no_grad():  # gloo may complete buckets on its threads
@@ -47,8 +53,6 @@ class DDPRelease:
         return allreduce_hook(None, bucket).then(step)
 
     def _ddp_step(self, params, grads) -> None:
-        if not self._in_backward:
-            self._start_backward(params[0].device, queue_end=False)
         by_group: dict[int, list] = defaultdict(list)
         for p, g in zip(params, grads):
             if id(p) in self._where:

@@ -94,7 +94,7 @@ def fsdp_param_groups(model) -> list:
 
 class FSDPRelease:
     """The FSDP2 part of ``GradRelease`` (which provides ``optimizer``, ``_accumulating``,
-    ``_in_backward``, ``_handles``, ``_start_backward``, ``_entry``, ``_flags_on``, ``skipped``
+    ``_backward_open``, ``_handles``, ``_start_backward``, ``_entry``, ``_flags_on``, ``skipped``
     and ``_update``)."""
 
     _fsdp_buckets: list = ()  # (set per instance by _watch_fsdp)
@@ -174,7 +174,7 @@ class FSDPRelease:
         """Called by FSDP2 once p's sharded grad is reduced (and accumulated)."""
         if self._accumulating:
             return
-        if not self._in_backward:
+        if not self._backward_open():
             self._start_backward(local(p).device)
         bucket, key = self._fsdp_bucket_of[id(p)]
         bucket.ready.add(key)

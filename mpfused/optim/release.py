@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import weakref
 from itertools import repeat
 
 import torch
@@ -75,10 +76,6 @@ from mpfused.optim._release_update import BucketUpdate
 from mpfused.optim._state_table import epoch as state_epoch
 
 __all__ = ["GradRelease", "step_in_backward"]
-
-# The autograd graph task running (-1 outside a backward): tells a backward that raised before
-# its end (whose end callback never ran) from the next one.
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 DEFAULT_BUCKET_BYTES = 4 * 2**20  # of grads: a few MiB keeps launches few and the peak small
 
@@ -148,7 +145,7 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
         self._chunk_of: dict[int, tuple[_Chunk, int]] = {}  # id(param) -> (chunk, index)
         self._chunks: list[_Chunk] = []
         self._in_backward = False
-        self._task = None  # the autograd graph task of the backward in progress
+        self._end = None  # weakref to the end callback queued in the backward in progress
         self._found: dict[torch.device, torch.Tensor] = {}  # the backward's flag per device
         self._flags: dict = {}  # device -> _flags_on's tuple, for this backward
         self._scaling: dict = {}  # device -> the launches' scaling keywords without clip, ditto
@@ -308,18 +305,24 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
         def on_grad_ready(p: torch.Tensor) -> None:
             if self._accumulating:
                 return
-            if not self._in_backward or _graph_task_id() != self._task:  # (a backward that
-                self._start_backward(p.device)  # raised never reached its end: a new one)
+            if not self._backward_open():
+                self._start_backward(p.device)
                 self._prepare_calls(p.device)
             ready.add(i)
             if len(ready) == size:
                 self._release(chunk)
         return on_grad_ready
 
+    def _backward_open(self) -> bool:
+        """Whether the backward this handle last started still runs. A backward that raised
+        never runs its end callback: the engine drops it unrun, and so its weakref dies. A nested
+        backward (reentrant activation checkpointing runs one inside a node's backward, as a
+        graph task of its own) is part of the open one, its end callback alive meanwhile."""
+        return self._in_backward and (self._end is None or self._end() is not None)
+
     def _start_backward(self, device, queue_end: bool = True) -> None:
         self._drain()  # (what a failed backward left queued)
         self._submit = self._worker_on(device)
-        self._task = _graph_task_id()
         for chunk in self._chunks:  # (params a failed backward marked ready)
             chunk.ready.clear()
         self._in_backward, self._pending = True, False
@@ -327,21 +330,27 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
         self.skipped = torch.zeros((), dtype=torch.int32, device=device)
         if self._clip is not None:
             self._clip.start(device)
+        self._end = None
         if queue_end:
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            def end_of_backward():  # only the engine holds it (see _backward_open)
+                self._end_backward()
+            self._end = weakref.ref(end_of_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(end_of_backward)
 
     def _end_backward(self) -> None:
-        if self._submit is not None:
-            self._submit = None
-            self._drain()
-        # chunks with params that got no grad in this backward release what they have
-        for chunk in self._chunks:
-            if chunk.ready:
-                self._release(chunk)
-        for bucket in self._fsdp_buckets:  # (the same on every rank: FSDP2 reduced the same)
-            if bucket.ready:
-                self._release_fsdp(bucket)
-        self._in_backward = False
+        try:
+            if self._submit is not None:
+                self._submit = None
+                self._drain()
+            # chunks with params that got no grad in this backward release what they have
+            for chunk in self._chunks:
+                if chunk.ready:
+                    self._release(chunk)
+            for bucket in self._fsdp_buckets:  # (the same on every rank: FSDP2 reduced them)
+                if bucket.ready:
+                    self._release_fsdp(bucket)
+        finally:  # (a raised error's traceback may keep the callback alive)
+            self._in_backward = False
 
     def _release(self, chunk: _Chunk) -> None:
         call = chunk.call

@@ -1,0 +1,42 @@
+"""Gradient release under backwards of unusual shapes: a nested backward inside the one that
+releases (reentrant activation checkpointing) and a backward that raises midway. The release
+must tell its own backward's end from a nested graph task's and from a failed backward's."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+import mpfused
+from tests.test_release import _assert_identical, _model, _snapshot
+
+WORKER_MODES = dict(argvalues=[0, 1], ids=["in-backward", "worker"])
+
+
+@pytest.mark.parametrize("worker_threads", **WORKER_MODES)
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_activation_checkpointing_equals_the_ordinary_step(reentrant, worker_threads):
+    """The middle layers run under torch.utils.checkpoint. Reentrant checkpointing computes
+    their grads in a backward of its own (another graph task) inside the outer one; one
+    release bucket holds params on both sides of it, so the outer backward's ready params must
+    survive the nested one. Bit-identical to the ordinary step."""
+    snaps = []
+    for release in (False, True):
+        model = _model(torch.bfloat16)
+        head, middle, tail = model[:2], model[2:4], model[4:]
+        opt = mpfused.AdamW(model.parameters(), lr=1e-2)
+        handle = (mpfused.step_in_backward(opt, bucket_bytes=1 << 20,
+                                           worker_threads=worker_threads) if release else None)
+        gen = torch.Generator().manual_seed(3)
+        for _ in range(4):
+            x = torch.randn(6, 24, generator=gen).bfloat16()
+            h = checkpoint(middle, head(x), use_reentrant=reentrant)
+            tail(h).float().square().mean().backward()
+            if release:  # the one bucket stepped inside the backward, every grad freed
+                assert all(p.grad is None for p in model.parameters())
+            opt.step()
+            opt.zero_grad()
+        if handle is not None:
+            assert len(handle._chunks) == 1
+        snaps.append(_snapshot(model, opt))
+    _assert_identical(*snaps)
