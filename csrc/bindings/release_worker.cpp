@@ -43,8 +43,8 @@ struct ReleaseWorker : torch::CustomClassHolder {
   // The worker never drops a reference to a tensor or an object Python may also hold: the last
   // reference to a tensor whose Python object was preserved by C++ (or to state holding a
   // PyObject) frees it under the GIL, which the backward's thread holds while it waits here.
-  // Finished jobs go back to the backward's thread (`finished`) and are freed there, at its
-  // next submit or wait (their grads a bucket later: the grads alive stay a few buckets').
+  // Finished jobs go back to the backward's thread (`finished`) and are freed there: at its
+  // next submit or wait, or as they come while it waits in one (help_until).
   // For the same reason the worker runs under a state made of C++ parts only: grad mode off
   // (as the backward's), and the profiler's debug info and RecordFunction callbacks (a profiler
   // records the worker's ops), not the whole at::ThreadLocalState (Python mode stacks).
@@ -187,10 +187,18 @@ struct ReleaseWorker : torch::CustomClassHolder {
   // On the backward's thread, under `lock`: until `ready()`, run the oldest queued job here
   // whenever no job is running, else wait. One job runs at a time, on either thread (`busy`):
   // the jobs share the backward's flags and the bucket-found scratch tensor.
+  // Finished jobs are freed here as they come (this is the backward's thread): left for the
+  // next submit, two finished jobs beside a full queue would hold five buckets' grads.
   template <class Ready>
   void help_until(std::unique_lock<std::mutex>& lock, Ready ready) {
     while (!ready()) {
-      if (!queue.empty() && !busy) {
+      if (!finished.empty()) {
+        std::vector<Job> jobs;
+        jobs.swap(finished);
+        lock.unlock();
+        jobs.clear();
+        lock.lock();
+      } else if (!queue.empty() && !busy) {
         std::optional<Job> job;
         const bool failed = take(job);
         ++stolen_count;
