@@ -156,6 +156,26 @@ def _release_without_step(rank):
     return out
 
 
+def _release_join(rank):
+    """Uneven inputs under DDP's join(): rank 1 runs out after 2 batches and then shadows rank
+    0's all-reduces from DDP's join hook, outside any backward, which runs the release's comm
+    hook there. Release against the ordinary DDP step: the same params on every rank."""
+    import mpfused
+    out = {}
+    for release in (False, True):
+        model = _wrap(make_model("float32"), "ddp", (2,))
+        opt = make_optim(model.parameters(), "AdamW", None)
+        if release:
+            mpfused.step_in_backward(opt, ddp=model)
+        with model.join():
+            for step in range(3 if rank == 0 else 2):
+                opt.zero_grad(set_to_none=True)
+                loss_fn(model, *batch(step + 20, rank, "float32")).backward()
+                opt.step()
+        out["released" if release else "ordinary"] = params_of(model)
+    return out
+
+
 def _inject_inf_one_rank(rank, engine, mesh_shape):
     """Inf written into rank 1's grad after the backward (its reduction is done): every rank must
     skip (FSDP2: via the DTensor mesh; DDP: via process_group=)."""
@@ -257,6 +277,7 @@ def _worker_main(launch, rank, world, out_dir):
     jobs["inject"] = lambda: _inject_inf_one_rank(rank, launch, (2,))
     if launch == "ddp":
         jobs["release_without_step"] = lambda: _release_without_step(rank)
+        jobs["release_join"] = lambda: _release_join(rank)
         for name, base in RELEASE_CONFIGS.items():
             if CONFIGS[base][3] != "AdamW8bit" or _has_8bit():
                 jobs[name] = lambda base=base: _train_dist(base, rank, release=True)

@@ -164,6 +164,15 @@ def test_ddp_release_without_opt_step(request):
             assert torch.equal(res["released"][k], v), (rank, k)
 
 
+def test_ddp_release_under_join(request):
+    """Uneven inputs (DDP's join): the joined rank's shadow all-reduces run the release's comm
+    hook outside any backward; every rank ends with the ordinary DDP step's params."""
+    results = _results(request, "release_join", "ddp_results")
+    for rank, res in enumerate(results):
+        for k, v in results[0]["ordinary"].items():
+            assert torch.equal(res["released"][k], v), (rank, k)
+
+
 @pytest.mark.parametrize("name", [n for n in CONFIGS if CONFIGS[n][3] == "AdamW8bit"])
 def test_8bit_rule_on_global_shape(request, name):
     results = _results(request, name)

@@ -10,6 +10,13 @@ from collections import defaultdict
 
 import torch
 
+# The autograd graph task this thread runs, -1 outside a backward.
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: 0)
+
+
+def _in_a_backward() -> bool:
+    return _graph_task_id() != -1
+
 
 class DDPRelease:
     """The DDP part of ``GradRelease`` (which provides ``optimizer``, ``_accumulating``,
@@ -41,9 +48,11 @@ class DDPRelease:
 
         # Here, in the backward's thread (the steps below may run on the backend's), a new
         # backward starts: its end callback is queued after DDP's own, which waits for them.
+        # DDP's join hook runs this outside any backward (a joined rank shadowing the others'
+        # all-reduces): no end to queue, the step's step_done() ends it.
         if (self.optimizer._grad_release is self and not self._accumulating
                 and not self._backward_open()):
-            self._start_backward(bucket.parameters()[0].device)
+            self._start_backward(bucket.parameters()[0].device, queue_end=_in_a_backward())
 
         def step(fut):
             if self.optimizer._grad_release is self and not self._accumulating:
