@@ -79,3 +79,47 @@ def test_a_backward_that_raised_leaves_no_stale_release_state(worker_threads):
             sched.step()
         snaps.append(_snapshot(model, opt))
     _assert_identical(*snaps)
+
+
+def test_compiled_autograd_is_refused_before_any_change():
+    """Compiled autograd traces the post-accumulate-grad hooks into its graph; the release's
+    native updates cannot be traced. The first hook refuses with a clear error, nothing
+    stepped; the next eager backward releases as usual."""
+    model = _model(torch.float32)
+    opt = mpfused.AdamW(model.parameters(), lr=1e-2)
+    mpfused.step_in_backward(opt, bucket_bytes=1 << 20)
+    before = [p.detach().clone() for p in model.parameters()]
+    x = torch.randn(6, 24, generator=torch.Generator().manual_seed(4))
+    from torch._dynamo import compiled_autograd
+    with pytest.raises(RuntimeError, match="not under compiled autograd"):
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            _loss(model, x).backward()
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert not opt.state
+    opt.zero_grad()
+    _loss(model, x).backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert not any(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+
+
+def test_compiled_model_equals_the_ordinary_step():
+    """torch.compile on the model (aot_eager: AOT autograd's backward, eager kernels): the
+    params' grad accumulation and hooks stay eager, so release steps as with an eager model.
+    Bit-identical to the ordinary step of the same compiled model."""
+    snaps = []
+    for release in (False, True):
+        model = _model(torch.bfloat16)
+        opt = mpfused.AdamW(model.parameters(), lr=1e-2)
+        if release:
+            mpfused.step_in_backward(opt, bucket_bytes=600)
+        compiled = torch.compile(model, backend="aot_eager")
+        gen = torch.Generator().manual_seed(5)
+        for _ in range(3):
+            x = torch.randn(6, 24, generator=gen).bfloat16()
+            _loss(compiled, x).backward()
+            if release:
+                assert all(p.grad is None for p in model.parameters())
+            opt.step()
+            opt.zero_grad()
+        snaps.append(_snapshot(model, opt))
+    _assert_identical(*snaps)

@@ -57,12 +57,14 @@ Rules (README, "Gradient release"):
   (``csrc/bindings/release_worker.cpp``); the backward's end waits for them and raises their
   error. Inside the backward a released bucket's params may still be changing there.
 * Several ranks without ``ddp=`` / ``fsdp=`` are refused (the hooks would fire before the
-  gradient reduction).
+  gradient reduction). So is compiled autograd, at the backward's first hook (it would trace
+  the hooks; a torch.compile'd model's backward leaves them eager and releases as usual).
 """
 from __future__ import annotations
 
 import contextlib
 import operator
+import sys
 import weakref
 from itertools import repeat
 
@@ -76,6 +78,11 @@ from mpfused.optim._release_update import BucketUpdate
 from mpfused.optim._state_table import epoch as state_epoch
 
 __all__ = ["GradRelease", "step_in_backward"]
+
+def _compiled_autograd_on() -> bool:
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")  # (not imported: not on)
+    return ca is not None and bool(getattr(ca, "in_compiled_autograd_region", False))
+
 
 DEFAULT_BUCKET_BYTES = 4 * 2**20  # of grads: a few MiB keeps launches few and the peak small
 
@@ -321,6 +328,11 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
         return self._in_backward and (self._end is None or self._end() is not None)
 
     def _start_backward(self, device, queue_end: bool = True) -> None:
+        if _compiled_autograd_on():  # (before any state changes)
+            raise RuntimeError(
+                "step_in_backward: not under compiled autograd: it traces the backward's hooks "
+                "into a graph, and the release's updates are native calls it cannot trace. "
+                "torch.compile the model without compiled autograd, or release.remove() first")
         self._drain()  # (what a failed backward left queued)
         self._submit = self._worker_on(device)
         for chunk in self._chunks:  # (params a failed backward marked ready)
