@@ -134,10 +134,9 @@ def _train_dist(name, rank, release=False):
     return out
 
 
-def _release_without_step(rank):
-    """DDP release in a loop that leaves out opt.step() (a no-op while released), the lr changed
-    before each backward as a scheduler would: every backward starts afresh in its first comm
-    hook (the lr read anew). The ordinary DDP step with opt.step() alongside, same lrs."""
+def _ddp_release_pair(train):
+    """``train(model, opt, release)`` on a fresh DDP model and AdamW, ordinary then released;
+    the params of both."""
     import mpfused
     out = {}
     for release in (False, True):
@@ -145,6 +144,16 @@ def _release_without_step(rank):
         opt = make_optim(model.parameters(), "AdamW", None)
         if release:
             mpfused.step_in_backward(opt, ddp=model)
+        train(model, opt, release)
+        out["released" if release else "ordinary"] = params_of(model)
+    return out
+
+
+def _release_without_step(rank):
+    """DDP release in a loop that leaves out opt.step() (a no-op while released), the lr changed
+    before each backward as a scheduler would: every backward starts afresh in its first comm
+    hook (the lr read anew). The ordinary DDP step with opt.step() alongside, same lrs."""
+    def train(model, opt, release):
         for step in range(4):
             for g in opt.param_groups:
                 g["lr"] = 1e-2 / (1 + step)
@@ -152,28 +161,20 @@ def _release_without_step(rank):
             loss_fn(model, *batch(step + 10, rank, "float32")).backward()
             if not release:
                 opt.step()
-        out["released" if release else "ordinary"] = params_of(model)
-    return out
+    return _ddp_release_pair(train)
 
 
 def _release_join(rank):
     """Uneven inputs under DDP's join(): rank 1 runs out after 2 batches and then shadows rank
     0's all-reduces from DDP's join hook, outside any backward, which runs the release's comm
     hook there. Release against the ordinary DDP step: the same params on every rank."""
-    import mpfused
-    out = {}
-    for release in (False, True):
-        model = _wrap(make_model("float32"), "ddp", (2,))
-        opt = make_optim(model.parameters(), "AdamW", None)
-        if release:
-            mpfused.step_in_backward(opt, ddp=model)
+    def train(model, opt, release):
         with model.join():
             for step in range(3 if rank == 0 else 2):
                 opt.zero_grad(set_to_none=True)
                 loss_fn(model, *batch(step + 20, rank, "float32")).backward()
                 opt.step()
-        out["released" if release else "ordinary"] = params_of(model)
-    return out
+    return _ddp_release_pair(train)
 
 
 def _inject_inf_one_rank(rank, engine, mesh_shape):
