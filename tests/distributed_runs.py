@@ -134,18 +134,21 @@ def _train_dist(name, rank, release=False):
     return out
 
 
-def _ddp_release_pair(train):
-    """``train(model, opt, release)`` on a fresh DDP model and AdamW, ordinary then released;
-    the params of both."""
+def _ddp_release_pair(train, modes=(False, True), clip=None):
+    """``train(model, opt, release)`` on a fresh DDP model and AdamW, ordinary then released
+    (``clip``: release's clip, with max_grad_norm 0.5); the params of each, the state of the
+    released one."""
     import mpfused
     out = {}
-    for release in (False, True):
+    for release in modes:
         model = _wrap(make_model("float32"), "ddp", (2,))
-        opt = make_optim(model.parameters(), "AdamW", None)
+        opt = make_optim(model.parameters(), "AdamW", clip and 0.5)
         if release:
-            mpfused.step_in_backward(opt, ddp=model)
+            mpfused.step_in_backward(opt, ddp=model, clip=clip)
         train(model, opt, release)
         out["released" if release else "ordinary"] = params_of(model)
+        if release:
+            out["state"] = state_snapshot(model, opt)
     return out
 
 
@@ -164,17 +167,18 @@ def _release_without_step(rank):
     return _ddp_release_pair(train)
 
 
-def _release_join(rank):
+def _release_join(rank, clip=None):
     """Uneven inputs under DDP's join(): rank 1 runs out after 2 batches and then shadows rank
-    0's all-reduces from DDP's join hook, outside any backward, which runs the release's comm
-    hook there. Release against the ordinary DDP step: the same params on every rank."""
+    0's all-reduces from DDP's join hook (twice), outside any backward, which runs the
+    release's comm hook there. Release against the ordinary DDP step; with clip='previous' the
+    released run alone (each shadow pass is a backward of its own: its clip sums restart)."""
     def train(model, opt, release):
         with model.join():
-            for step in range(3 if rank == 0 else 2):
+            for step in range(4 if rank == 0 else 2):
                 opt.zero_grad(set_to_none=True)
                 loss_fn(model, *batch(step + 20, rank, "float32")).backward()
                 opt.step()
-    return _ddp_release_pair(train)
+    return _ddp_release_pair(train, (True,) if clip else (False, True), clip)
 
 
 def _inject_inf_one_rank(rank, engine, mesh_shape):
@@ -279,6 +283,7 @@ def _worker_main(launch, rank, world, out_dir):
     if launch == "ddp":
         jobs["release_without_step"] = lambda: _release_without_step(rank)
         jobs["release_join"] = lambda: _release_join(rank)
+        jobs["release_join_clip"] = lambda: _release_join(rank, clip="previous")
         for name, base in RELEASE_CONFIGS.items():
             if CONFIGS[base][3] != "AdamW8bit" or _has_8bit():
                 jobs[name] = lambda base=base: _train_dist(base, rank, release=True)

@@ -171,6 +171,13 @@ def test_ddp_release_under_join(request):
     for rank, res in enumerate(results):
         for k, v in results[0]["ordinary"].items():
             assert torch.equal(res["released"][k], v), (rank, k)
+    # The params alone cannot tell: join() ends by broadcasting the last joiner's params. The
+    # optimizer state can: with clip='previous' each shadow pass must restart its clip sums as
+    # rank 0's backward does, or the ranks' moments part.
+    clipped = _results(request, "release_join_clip", "ddp_results")
+    for pname, st in clipped[0]["state"].items():
+        for key, v in st.items():
+            assert torch.equal(clipped[1]["state"][pname][key], v), (pname, key)
 
 
 @pytest.mark.parametrize("name", [n for n in CONFIGS if CONFIGS[n][3] == "AdamW8bit"])

@@ -123,3 +123,38 @@ def test_compiled_model_equals_the_ordinary_step():
             opt.zero_grad()
         snaps.append(_snapshot(model, opt))
     _assert_identical(*snaps)
+
+
+@pytest.mark.parametrize("worker_threads", **WORKER_MODES)
+@pytest.mark.parametrize("part", ["tail", "middle"])
+def test_a_reentrant_checkpoint_is_part_of_one_backward(part, worker_threads):
+    """Under a reentrant checkpoint of the model's last layers ("tail") the backward's first
+    grads come inside the nested backward, which would get the release's end callback: it must
+    move on to the enclosing backward. One start per backward, and everything it resets
+    (clip='previous' sums, release.skipped, the flags) as without checkpointing: bit-identical
+    to the same release on the same model unchecked, a non-finite step included."""
+    results = []
+    for ckpt in (False, True):
+        model = _model(torch.float32)
+        opt = mpfused.AdamW(model.parameters(), lr=1e-2, max_grad_norm=0.5)
+        release = mpfused.step_in_backward(opt, bucket_bytes=600, clip="previous",
+                                           worker_threads=worker_threads)
+        starts, start = [], release._start_backward
+        release._start_backward = lambda *a, **k: (starts.append(1), start(*a, **k))[1]
+        cut = 3 if part == "tail" else 2
+        head, body, rest = model[:cut], model[cut:cut + 2], model[cut + 2:]
+        gen = torch.Generator().manual_seed(6)
+        skipped = []
+        for step in range(5):
+            x = torch.randn(6, 24, generator=gen)
+            if step == 2:
+                x[0, 0] = float("inf")
+            h = checkpoint(body, head(x), use_reentrant=True) if ckpt else body(head(x))
+            rest(h).square().mean().backward()
+            assert all(p.grad is None for p in model.parameters())
+            skipped.append(int(release.skipped))
+            opt.step()
+        assert len(starts) == 5 and len(release._chunks) > 2
+        results.append((_snapshot(model, opt), skipped))
+    _assert_identical(results[0][0], results[1][0])
+    assert results[0][1] == results[1][1] and results[0][1][2] == len(release._chunks)

@@ -10,17 +10,10 @@ from collections import defaultdict
 
 import torch
 
-# The autograd graph task this thread runs, -1 outside a backward.
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", lambda: 0)
-
-
-def _in_a_backward() -> bool:
-    return _graph_task_id() != -1
-
 
 class DDPRelease:
     """The DDP part of ``GradRelease`` (which provides ``optimizer``, ``_accumulating``,
-    ``_backward_open``, ``_start_backward`` and ``_update``)."""
+    ``_start_backward`` and ``_update``)."""
 
     def _watch_ddp(self, ddp) -> None:
         self._lock = threading.Lock()
@@ -46,13 +39,13 @@ class DDPRelease:
         skips the same buckets."""
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-        # Here, in the backward's thread (the steps below may run on the backend's), a new
-        # backward starts: its end callback is queued after DDP's own, which waits for them.
-        # DDP's join hook runs this outside any backward (a joined rank shadowing the others'
-        # all-reduces): no end to queue, the step's step_done() ends it.
+        # DDP reduces its buckets strictly in index order: bucket 0 starts a backward (its
+        # flags, options, clip sums), here in the backward's thread, before any step of it (the
+        # steps may run on the backend's threads). So does each shadow pass of DDP's join hook
+        # (a joined rank, outside any backward). No end callback: nothing is left to release.
         if (self.optimizer._grad_release is self and not self._accumulating
-                and not self._backward_open()):
-            self._start_backward(bucket.parameters()[0].device, queue_end=_in_a_backward())
+                and bucket.index() == 0):
+            self._start_backward(bucket.parameters()[0].device, queue_end=False)
 
         def step(fut):
             if self.optimizer._grad_release is self and not self._accumulating:

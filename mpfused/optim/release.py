@@ -79,6 +79,11 @@ from mpfused.optim._state_table import epoch as state_epoch
 
 __all__ = ["GradRelease", "step_in_backward"]
 
+# The autograd node this thread is running (None outside one): a nested backward's end callback
+# runs inside the node of the enclosing backward that started it.
+_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+
 def _compiled_autograd_on() -> bool:
     ca = sys.modules.get("torch._dynamo.compiled_autograd")  # (not imported: not on)
     return ca is not None and bool(getattr(ca, "in_compiled_autograd_region", False))
@@ -344,10 +349,26 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
             self._clip.start(device)
         self._end = None
         if queue_end:
-            def end_of_backward():  # only the engine holds it (see _backward_open)
+            self._queue_end()
+
+    def _queue_end(self) -> None:
+        """The backward's end, queued in the graph task this thread runs; only the engine holds
+        it (see _backward_open). A first grad inside a nested backward (a reentrant checkpoint
+        of the model's last layers) queues it in that nested task: there it moves on to the
+        enclosing task, through a post hook on the node that ran the nested backward."""
+        def end_of_backward():
+            node = _current_node()
+            if node is None:
                 self._end_backward()
-            self._end = weakref.ref(end_of_backward)
-            torch.autograd.Variable._execution_engine.queue_callback(end_of_backward)
+                return
+
+            def after_node(*_):  # (the node holds it: the backward stays open meanwhile)
+                handle.remove()
+                self._queue_end()
+            handle = node.register_hook(after_node)
+            self._end = weakref.ref(after_node)
+        self._end = weakref.ref(end_of_backward)
+        torch.autograd.Variable._execution_engine.queue_callback(end_of_backward)
 
     def _end_backward(self) -> None:
         try:
