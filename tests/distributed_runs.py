@@ -181,6 +181,22 @@ def _release_join(rank, clip=None):
     return _ddp_release_pair(train, (True,) if clip else (False, True), clip)
 
 
+def _release_refuses_unreduced(rank):
+    """A param DDP ignores never reaches the comm hook: step_in_backward(ddp=) refuses it,
+    naming it, and leaves the optimizer unattached."""
+    import mpfused
+    from torch.nn.parallel import DistributedDataParallel
+    model = make_model("float32")
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ["fc1.bias"])
+    ddp = DistributedDataParallel(model)
+    opt = make_optim(model.parameters(), "AdamW", None)
+    try:
+        mpfused.step_in_backward(opt, ddp=ddp)
+    except ValueError as e:
+        return {"error_text": str(e), "attached": opt._grad_release is not None}
+    return {"error_text": None}
+
+
 def _inject_inf_one_rank(rank, engine, mesh_shape):
     """Inf written into rank 1's grad after the backward (its reduction is done): every rank must
     skip (FSDP2: via the DTensor mesh; DDP: via process_group=)."""
@@ -284,6 +300,7 @@ def _worker_main(launch, rank, world, out_dir):
         jobs["release_without_step"] = lambda: _release_without_step(rank)
         jobs["release_join"] = lambda: _release_join(rank)
         jobs["release_join_clip"] = lambda: _release_join(rank, clip="previous")
+        jobs["release_refuses_unreduced"] = lambda: _release_refuses_unreduced(rank)
         for name, base in RELEASE_CONFIGS.items():
             if CONFIGS[base][3] != "AdamW8bit" or _has_8bit():
                 jobs[name] = lambda base=base: _train_dist(base, rank, release=True)

@@ -180,6 +180,14 @@ def test_ddp_release_under_join(request):
             assert torch.equal(clipped[1]["state"][pname][key], v), (pname, key)
 
 
+def test_ddp_release_refuses_a_param_ddp_does_not_reduce(request):
+    """fc1.bias ignored by DDP: its grad would never reach a comm hook (never stepped)."""
+    for res in _results(request, "release_refuses_unreduced", "ddp_results"):
+        assert res["error_text"] is not None and "param_groups[0]['params'][1]" in res[
+            "error_text"] and "not reduced in DDP's buckets" in res["error_text"]
+        assert not res["attached"]
+
+
 @pytest.mark.parametrize("name", [n for n in CONFIGS if CONFIGS[n][3] == "AdamW8bit"])
 def test_8bit_rule_on_global_shape(request, name):
     results = _results(request, name)

@@ -158,3 +158,39 @@ def test_a_reentrant_checkpoint_is_part_of_one_backward(part, worker_threads):
         results.append((_snapshot(model, opt), skipped))
     _assert_identical(results[0][0], results[1][0])
     assert results[0][1] == results[1][1] and results[0][1][2] == len(release._chunks)
+
+
+@pytest.mark.parametrize("worker_threads", **WORKER_MODES)
+def test_a_training_step_inside_another_backward(worker_threads):
+    """The whole training step (backward, opt.step()) runs inside another autograd node's
+    backward (a custom Function's): the release's end, queued in that nested backward, would
+    move on to the enclosing one, after the step. opt.step() ends it instead (the worker
+    drained, a bucket with a param that got no grad released). Bit-identical to the ordinary
+    step, run the same way."""
+    snaps = []
+    for release in (False, True):
+        model = _model(torch.bfloat16)
+        unused = torch.nn.Parameter(torch.ones(5, dtype=torch.bfloat16))  # never gets a grad
+        opt = mpfused.AdamW([*model.parameters(), unused], lr=1e-2)
+        if release:  # one bucket, completed only at the backward's end
+            mpfused.step_in_backward(opt, bucket_bytes=1 << 20, worker_threads=worker_threads)
+        gen = torch.Generator().manual_seed(7)
+
+        class TrainInBackward(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                return x.clone()
+
+            @staticmethod
+            def backward(ctx, g):
+                with torch.enable_grad():
+                    for _ in range(2):
+                        _loss(model, torch.randn(6, 24, generator=gen).bfloat16()).backward()
+                        opt.step()
+                        opt.zero_grad()
+                return g
+
+        TrainInBackward.apply(torch.ones(3, requires_grad=True)).sum().backward()
+        assert all(p.grad is None for p in model.parameters())
+        snaps.append(_snapshot(model, opt))
+    _assert_identical(*snaps)

@@ -11,16 +11,32 @@ from collections import defaultdict
 import torch
 
 
+def _check_reduced(ddp, params, where: str) -> None:
+    """Every param that takes a grad must be in DDP's buckets: a param DDP ignores
+    (``_set_params_and_buffers_to_ignore_for_model``) or reduces apart
+    (``delay_all_reduce_named_params``) never reaches the comm hook, so it would never step."""
+    reduced = {id(p) for p in getattr(ddp, "_module_parameters", ddp.parameters())}
+    reduced -= {id(p) for p in getattr(ddp, "_delay_all_reduce_params", ())}
+    for i, p in enumerate(params):
+        if p.requires_grad and id(p) not in reduced:
+            raise ValueError(
+                f"step_in_backward(ddp=...): {where}['params'][{i}] is not reduced in DDP's "
+                "buckets (DDP ignores it, or delays its all-reduce), so it would never be "
+                "stepped: leave it out of the optimizer, or out of DDP's ignore / delay lists")
+
+
 class DDPRelease:
     """The DDP part of ``GradRelease`` (which provides ``optimizer``, ``_accumulating``,
     ``_start_backward`` and ``_update``)."""
 
     def _watch_ddp(self, ddp) -> None:
+        if any(hasattr(p, "to_local") for p in ddp.parameters()):
+            raise NotImplementedError("step_in_backward: DTensor params under DDP")
+        for gi, g in enumerate(self.optimizer.param_groups):
+            _check_reduced(ddp, g["params"], f"param_groups[{gi}]")
         self._lock = threading.Lock()
         self._where = {id(p): (gi, i) for gi, g in enumerate(self.optimizer.param_groups)
                        for i, p in enumerate(g["params"])}
-        if any(hasattr(p, "to_local") for p in ddp.parameters()):
-            raise NotImplementedError("step_in_backward: DTensor params under DDP")
         ddp.register_comm_hook(None, self._ddp_comm_hook)  # DDP allows one, before training
 
     def _ddp_add_group(self, group_index: int, params: list) -> None:
@@ -31,6 +47,7 @@ class DDPRelease:
             raise ValueError("step_in_backward(ddp=...): a param group added after "
                              "attaching must hold params of the DistributedDataParallel "
                              "model (its grads are released from DDP's buckets)")
+        _check_reduced(self._ddp, params, f"param_groups[{group_index}]")
         self._where.update({id(p): (group_index, i) for i, p in enumerate(params)})
 
     def _ddp_comm_hook(self, _state, bucket):

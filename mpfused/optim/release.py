@@ -158,6 +158,7 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
         self._chunks: list[_Chunk] = []
         self._in_backward = False
         self._end = None  # weakref to the end callback queued in the backward in progress
+        self._number = 0  # of the backwards started (a pending end ends its own only)
         self._found: dict[torch.device, torch.Tensor] = {}  # the backward's flag per device
         self._flags: dict = {}  # device -> _flags_on's tuple, for this backward
         self._scaling: dict = {}  # device -> the launches' scaling keywords without clip, ditto
@@ -280,7 +281,10 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
             self._accumulating = previous
 
     def step_done(self) -> None:
-        """Called by ``opt.step()``: the next grad that arrives belongs to a new step."""
+        """Called by ``opt.step()``: the next grad that arrives belongs to a new step. A
+        backward whose end is still pending ends here (see _queue_end)."""
+        if self._in_backward and self._end is not None and self._end() is not None:
+            self._end_backward()
         self._in_backward = False
         opt = self.optimizer
         # An optimizer with no state yet, given grads by hand (not by an accumulating backward):
@@ -339,6 +343,7 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
                 "into a graph, and the release's updates are native calls it cannot trace. "
                 "torch.compile the model without compiled autograd, or release.remove() first")
         self._drain()  # (what a failed backward left queued)
+        self._number += 1
         self._submit = self._worker_on(device)
         for chunk in self._chunks:  # (params a failed backward marked ready)
             chunk.ready.clear()
@@ -355,8 +360,14 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
         """The backward's end, queued in the graph task this thread runs; only the engine holds
         it (see _backward_open). A first grad inside a nested backward (a reentrant checkpoint
         of the model's last layers) queues it in that nested task: there it moves on to the
-        enclosing task, through a post hook on the node that ran the nested backward."""
+        enclosing task, through a post hook on the node that ran the nested backward. An end
+        still pending at opt.step() (that node belongs to a backward of the user's own: their
+        training step ran inside another node's backward) runs there (step_done)."""
+        number = self._number
+
         def end_of_backward():
+            if number != self._number or not self._in_backward:
+                return  # (ended already, by step_done)
             node = _current_node()
             if node is None:
                 self._end_backward()
@@ -364,7 +375,8 @@ class GradRelease(BucketUpdate, DDPRelease, FSDPRelease):
 
             def after_node(*_):  # (the node holds it: the backward stays open meanwhile)
                 handle.remove()
-                self._queue_end()
+                if number == self._number and self._in_backward:
+                    self._queue_end()
             handle = node.register_hook(after_node)
             self._end = weakref.ref(after_node)
         self._end = weakref.ref(end_of_backward)
