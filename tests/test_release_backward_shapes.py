@@ -43,12 +43,14 @@ def test_activation_checkpointing_equals_the_ordinary_step(reentrant, worker_thr
 
 
 @pytest.mark.parametrize("worker_threads", **WORKER_MODES)
-def test_a_backward_that_raised_leaves_no_stale_release_state(worker_threads):
+@pytest.mark.parametrize("then_step", [False, True], ids=["zero_grad", "step"])
+def test_a_backward_that_raised_leaves_no_stale_release_state(then_step, worker_threads):
     """A backward raises after some params of a release bucket got their grads but before the
     bucket was complete (a tensor hook on the next param raises): its end never runs. The next
     backward must start afresh (no param counted ready from the failed one, the options read
     anew: an LR scheduler's lr); after zero_grad the training equals the ordinary step's, which
-    saw the same failure."""
+    saw the same failure. An opt.step() after the failure ("step") steps the grads there are,
+    as torch.optim does: the release ends that backward there, releasing the ready params."""
     snaps = []
     for release in (False, True):
         model = _model(torch.bfloat16)
@@ -72,6 +74,10 @@ def test_a_backward_that_raised_leaves_no_stale_release_state(worker_threads):
                 with pytest.raises(RuntimeError, match="boom"):
                     _loss(model, x).backward()
                 assert any(p.grad is not None for p in params)
+                if then_step:
+                    opt.step()
+                    if release:
+                        assert all(p.grad is None for p in params)
             else:
                 _loss(model, x).backward()
                 opt.step()

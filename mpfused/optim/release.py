@@ -271,8 +271,11 @@ class GradRelease(BackwardLife, BucketUpdate, DDPRelease, FSDPRelease):
 
     def step_done(self) -> None:
         """Called by ``opt.step()``: the next grad that arrives belongs to a new step. A
-        backward whose end is still pending ends here (see _queue_end)."""
-        if self._in_backward and self._end is not None and self._end() is not None:
+        backward that has not ended ends here (worker drained, partly ready buckets released):
+        its end is still pending (see _queue_end), or was lost (it raised, as torch.optim then
+        steps what grads there are; or a torch that does not run a post hook added while its
+        node runs)."""
+        if self._in_backward and self._end is not None:
             self._end_backward()
         self._in_backward = False
         opt = self.optimizer
