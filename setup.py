@@ -94,7 +94,8 @@ def _extensions():
     archs = os.environ["TORCH_CUDA_ARCH_LIST"] if use_cuda else ""
 
     sources = (_sources("bindings/module.cpp") + _sources("bindings/bound_lists.cpp")
-               + _sources("bindings/release_worker.cpp") + _sources("bindings/op_versions.cpp")
+               + _sources("bindings/release_worker.cpp") + _sources("bindings/release_hook.cpp")
+               + _sources("bindings/op_versions.cpp")
                + _sources("bindings/*_cpu.cpp") + _sources("cpu/*.cpp"))
     define = [("Py_LIMITED_API", "0x03090000"), ("MPFUSED_WITH_CUDA", "1" if use_cuda else "0"),
               ("MPFUSED_CUDA_ARCHS", f'"{archs}"')]

@@ -166,7 +166,7 @@ def test_armed_step_contract():
         model(torch.randn(5, 24).bfloat16()).float().square().mean().backward()
         opt.step()
     chunk = release._chunks[0]
-    op, args, step = chunk.armed
+    op, args, step, _ = chunk.armed
     doubles = [i for i, a in enumerate(args) if type(a) is float]
     assert doubles and all(step.set(i, args[i]) for i in doubles)
     assert not any(step.set(i, 1.0) for i in range(len(args)) if i not in doubles)

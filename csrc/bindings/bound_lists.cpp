@@ -223,7 +223,14 @@ TORCH_LIBRARY_FRAGMENT(mpfused, m) {
   m.class_<ReleaseFlags>("ReleaseFlags")
       .def(torch::init<>())
       .def("set", &ReleaseFlags::set);
-  m.class_<ArmedStep>("ArmedStep").def("run", &ArmedStep::run).def("set", &ArmedStep::set);
+  // address(): the step's address, for the native release hook (release_hook.cpp), which runs
+  // it while the caller holds this object.
+  m.class_<ArmedStep>("ArmedStep")
+      .def("run", &ArmedStep::run)
+      .def("set", &ArmedStep::set)
+      .def("address", [](const c10::intrusive_ptr<ArmedStep>& self) {
+        return reinterpret_cast<int64_t>(self.get());
+      });
   auto cls = m.class_<BoundLists>("BoundLists");
   cls.def(torch::init<at::TensorList, at::IntArrayRef, at::IntArrayRef, at::IntArrayRef>());
   StepMethods<AdamStepFn>::define(

@@ -9,6 +9,8 @@
 #define MPFUSED_CUDA_ARCHS ""
 #endif
 
+int mpfused_add_ready_hook(PyObject* module);  // release_hook.cpp
+
 extern "C" {
 PyObject* PyInit__C(void) {
   static struct PyModuleDef def = {PyModuleDef_HEAD_INIT, "_C", "mpfused native kernels", -1,
@@ -17,6 +19,10 @@ PyObject* PyInit__C(void) {
   if (!m) return nullptr;
   PyModule_AddIntConstant(m, "with_cuda", MPFUSED_WITH_CUDA);
   PyModule_AddStringConstant(m, "cuda_archs", MPFUSED_CUDA_ARCHS);
+  if (mpfused_add_ready_hook(m) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
   return m;
 }
 }

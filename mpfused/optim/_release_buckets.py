@@ -16,8 +16,8 @@ class _Chunk:
         self.ready: set[int] = set()
         self.order: tuple = ()  # the indices sorted: the ready set of a full chunk
         self.params: list = []  # the group's params at those indices
-        self.call = None  # this backward's armed update of the whole chunk (_prepare_calls)
-        self.armed = None  # (its BoundOp, the arguments it holds, the ArmedStep), kept
+        self.call = None  # (state epoch, state, ArmedStep, its address) of this backward, or None
+        self.armed = None  # (its BoundOp, the arguments it holds, the ArmedStep, its address)
 
 
 

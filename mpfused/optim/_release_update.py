@@ -180,9 +180,10 @@ class BucketUpdate:
             args = (*operands, *op.ordered(scalars))
             armed = chunk.armed
             if armed is None or armed[0] is not op or not _brought_to(armed[2], armed[1], args):
-                armed = (op, args, arm(chunk.params, flags, *args))  # (~13 us hot)
-            chunk.armed = (op, args, armed[2])
-            chunk.call = (*key, armed[2])
+                step = arm(chunk.params, flags, *args)  # (~13 us hot)
+                armed = (op, args, step, step.address())
+            chunk.armed = (op, args, *armed[2:])
+            chunk.call = (*key, *armed[2:])  # (the address: for the native hook, which runs it)
         if signature is not None and _pure_launch_args(type(opt)):
             self._armed_signature = signature
 

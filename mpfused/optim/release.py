@@ -68,15 +68,22 @@ from itertools import repeat
 
 import torch
 
+from mpfused import _extension
 from mpfused.optim._release_backward import BackwardLife
 from mpfused.optim._release_buckets import _Chunk, _Entry, _state_kind
 from mpfused.optim._release_clip import PreviousNormClip
 from mpfused.optim._release_ddp import DDPRelease
 from mpfused.optim._release_fsdp import FSDPRelease
 from mpfused.optim._release_update import BucketUpdate
-from mpfused.optim._state_table import epoch as state_epoch
+from mpfused.optim._state_table import _EPOCH, epoch as state_epoch
 
 __all__ = ["GradRelease", "step_in_backward"]
+
+
+def _native_hook():
+    """The extension's ``ReadyHook`` type, or None (not built, or a pure-Python install)."""
+    module = _extension.load()
+    return getattr(module, "ReadyHook", None) if module is not None else None
 
 DEFAULT_BUCKET_BYTES = 4 * 2**20  # of grads: a few MiB keeps launches few and the peak small
 
@@ -307,19 +314,29 @@ class GradRelease(BackwardLife, BucketUpdate, DDPRelease, FSDPRelease):
 
     # ---- in the backward --------------------------------------------------------------------
     def _grad_ready_hook(self, chunk: _Chunk, i: int):
-        """Param ``i``'s post-accumulate-grad hook (its chunk, set and size bound: no lookups)."""
+        """Param ``i``'s post-accumulate-grad hook (its chunk, set and size bound: no lookups):
+        the native one where the extension is loaded (``csrc/bindings/release_hook.cpp``: the
+        same steps, without running Python between the backward's ops unless it must), else
+        this Python one."""
         ready, size = chunk.ready, len(chunk.indices)
+        native = _native_hook()
+        if native is not None:
+            return native(self, chunk, ready, i, _EPOCH, size)
 
         def on_grad_ready(p: torch.Tensor) -> None:
             if self._accumulating:
                 return
             if not self._backward_open():
-                self._start_backward(p.device)
-                self._prepare_calls(p.device)
+                self._first_grad(p)
             ready.add(i)
             if len(ready) == size:
                 self._release(chunk)
         return on_grad_ready
+
+    def _first_grad(self, p: torch.Tensor) -> None:
+        """The first grad of a backward (plain release): it starts, its armed calls are made."""
+        self._start_backward(p.device)
+        self._prepare_calls(p.device)
 
     def _release(self, chunk: _Chunk) -> None:
         call = chunk.call
