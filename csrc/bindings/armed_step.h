@@ -64,4 +64,8 @@ struct ArmedStep : torch::CustomClassHolder {
   }
 };
 
+// ReleaseWorker::submit (release_worker.cpp) by the worker's address, for the native release
+// hook (release_hook.cpp).
+bool submit_to_worker(void* worker, const ArmedStep* armed);
+
 }  // namespace mpfused::bind

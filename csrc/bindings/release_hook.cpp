@@ -29,8 +29,8 @@ struct ReadyHook {
   Py_ssize_t size;   // len(chunk.indices)
 };
 
-PyObject *s_accumulating, *s_in_backward, *s_end, *s_first_grad, *s_release, *s_submit, *s_call,
-    *s_order, *s_optimizer, *s_state;
+PyObject *s_accumulating, *s_in_backward, *s_end, *s_first_grad, *s_release, *s_worker_address,
+    *s_call, *s_order, *s_optimizer, *s_state;
 
 // 1 / 0: the attribute's truth; -1: an error is set.
 int attr_truth(PyObject* obj, PyObject* name) {
@@ -59,15 +59,17 @@ int backward_open(PyObject* h) {
   return open;
 }
 
-// The armed release of a complete bucket in place, as GradRelease._release's first branch: 1 done
-// (the bucket is stepped, its grads None, its ready set empty); 0 not taken (the set as it was:
-// the caller takes GradRelease._release); -1 an error is set.
+// The armed release of a complete bucket, as GradRelease._release's first branch: in place, or
+// queued on the release worker where the backward has one (_worker_address: its address, set
+// with _submit). 1 done (the bucket stepped or queued, its grads None, its ready set empty); 0
+// not taken (the set as it was: the caller takes GradRelease._release); -1 an error is set.
 int run_armed(ReadyHook* self) {
-  PyObject* submit = PyObject_GetAttr(self->handle, s_submit);
-  if (!submit) return -1;
-  const bool in_place = submit == Py_None;  // (a worker: _release queues the call there)
-  Py_DECREF(submit);
-  if (!in_place || c10::GradMode::is_enabled()) return 0;
+  if (c10::GradMode::is_enabled()) return 0;
+  PyObject* worker = PyObject_GetAttr(self->handle, s_worker_address);  // None: in place
+  if (!worker) return -1;
+  void* to_worker = worker == Py_None ? nullptr : PyLong_AsVoidPtr(worker);
+  Py_DECREF(worker);
+  if (PyErr_Occurred()) return -1;
   PyObject* call = PyObject_GetAttr(self->chunk, s_call);  // (epoch, state, ArmedStep, address)
   if (!call) return -1;
   int usable = call != Py_None && PyTuple_Check(call) && PyTuple_Size(call) == 4;
@@ -86,7 +88,8 @@ int run_armed(ReadyHook* self) {
     Py_DECREF(call);
     return usable;
   }
-  // call[2] (the ArmedStep's TorchScript object) holds the step while `call` is held.
+  // call[2] (the ArmedStep's TorchScript object) holds the step while `call` is held, and the
+  // handle's _worker the worker (_worker_address is None once it is dropped).
   auto* armed = static_cast<const mpfused::bind::ArmedStep*>(PyLong_AsVoidPtr(PyTuple_GetItem(call, 3)));
   if (!armed || PySet_Clear(self->ready) < 0) {
     Py_DECREF(call);
@@ -97,7 +100,7 @@ int run_armed(ReadyHook* self) {
   std::string message;
   PyThreadState* thread = PyEval_SaveThread();  // (the kernels need no GIL)
   try {
-    done = armed->run();
+    done = to_worker ? mpfused::bind::submit_to_worker(to_worker, armed) : armed->run();
   } catch (const c10::Error& e) {
     message = e.what_without_backtrace();
     error = message.c_str();
@@ -229,7 +232,7 @@ int mpfused_add_ready_hook(PyObject* module) {
   };
   const Name names[] = {{&s_accumulating, "_accumulating"}, {&s_in_backward, "_in_backward"},
                         {&s_end, "_end"},       {&s_first_grad, "_first_grad"},
-                        {&s_release, "_release"}, {&s_submit, "_submit"},
+                        {&s_release, "_release"}, {&s_worker_address, "_worker_address"},
                         {&s_call, "call"},      {&s_order, "order"},
                         {&s_optimizer, "optimizer"}, {&s_state, "state"}};
   for (const Name& n : names)

@@ -267,9 +267,20 @@ struct ReleaseWorker : torch::CustomClassHolder {
 
 }  // namespace
 
+// ReleaseWorker::submit for the native release hook (release_hook.cpp), which has the worker's
+// and the step's addresses (their TorchScript objects held by the caller meanwhile).
+bool submit_to_worker(void* worker, const ArmedStep* armed) {
+  return static_cast<ReleaseWorker*>(worker)->submit(
+      c10::intrusive_ptr<ArmedStep>::reclaim_copy(const_cast<ArmedStep*>(armed)));
+}
+
 TORCH_LIBRARY_FRAGMENT(mpfused, m) {
   m.class_<ReleaseWorker>("ReleaseWorker")
       .def(torch::init<int64_t, int64_t>())
+      .def("address",
+           [](const c10::intrusive_ptr<ReleaseWorker>& self) {
+             return reinterpret_cast<int64_t>(self.get());
+           })
       .def("submit", &ReleaseWorker::submit)
       .def("wait", &ReleaseWorker::wait)
       .def("completed", &ReleaseWorker::completed)

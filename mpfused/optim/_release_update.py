@@ -207,23 +207,24 @@ class BucketUpdate:
                 opt.max_grad_norm, opt._seed, torch.compiler.is_compiling(),
                 self._scale_on(device), *groups)
 
-    def _worker_on(self, device):
-        """The ``submit`` of the ``ReleaseWorker`` (csrc/bindings/release_worker.cpp) that runs
-        this backward's armed releases off its thread, or None: they run in place. CPU only (a
-        GPU's launches are asynchronous already). ``self._worker``: (threads, worker)."""
-        if device.type != "cpu" or torch.compiler.is_compiling():
-            return None
+    def _worker_on(self, device) -> tuple:
+        """(``submit``, address) of the ``ReleaseWorker`` (csrc/bindings/release_worker.cpp)
+        that runs this backward's armed releases off its thread (the address: for the native
+        hook), or (None, None): they run in place. CPU only (a GPU's launches are asynchronous
+        already). ``self._worker``: (threads, worker, its address)."""
+        if self.worker_threads == 0 or device.type != "cpu" or torch.compiler.is_compiling():
+            return None, None  # (0 first: each call here runs cold, between the backward's ops)
         threads = worker_threads(self.worker_threads)
         worker = self._worker
         if worker is not None and worker[0] != threads:  # (torch.set_num_threads since)
             worker[1].wait()
             worker = self._worker = None
         if threads == 0:
-            return None
+            return None, None
         if worker is None:
-            worker = self._worker = (threads, torch.classes.mpfused.ReleaseWorker(
-                threads, WORKER_PENDING))
-        return worker[1].submit
+            made = torch.classes.mpfused.ReleaseWorker(threads, WORKER_PENDING)
+            worker = self._worker = (threads, made, made.address())
+        return worker[1].submit, worker[2]
 
     def _drain(self) -> None:
         """Waits for the releases queued on the worker; raises the first one's error."""

@@ -163,8 +163,9 @@ class GradRelease(BackwardLife, BucketUpdate, DDPRelease, FSDPRelease):
         self._armed_flags: dict = {}  # device -> the ReleaseFlags its armed steps read
         self._armed_signature = None  # what the chunks' calls were made from (_prepare_calls)
         self.worker_threads = worker_threads
-        self._worker = None  # (threads, ReleaseWorker) of the CPU armed releases (_worker_on)
+        self._worker = None  # (threads, ReleaseWorker, address): the CPU armed releases' worker
         self._submit = None  # this backward's worker.submit, or None: releases run in place
+        self._worker_address = None  # that worker's address, for the native hook
         self._clip = PreviousNormClip(optimizer) if clip == "previous" else None
         self._group_base = [0]  # flat position of each group's first param (for the clip)
         for g in optimizer.param_groups:
