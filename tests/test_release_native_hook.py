@@ -10,6 +10,7 @@ import weakref
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 import mpfused
@@ -120,6 +121,32 @@ def test_a_failing_update_raises_from_the_backward(hook_kind):
         hooks.move_to_end(first)
     with pytest.raises(RuntimeError, match="dtype"):
         model(x).float().sum().backward()
+
+
+class _FailingCheck(TorchDispatchMode):
+    """A Python dispatch mode whose kernel for the release's check raises a ValueError."""
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "check_grads" in str(func):
+            raise ValueError("a failing check")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("worker_threads", [0, 1], ids=["in-backward", "worker"])
+@pytest.mark.parametrize("hook_kind", **HOOKS, indirect=True)
+def test_an_error_keeps_its_type(hook_kind, worker_threads):
+    """An error raised by a Python kernel inside the update (a dispatch mode) reaches the
+    backward's caller as it was raised, with either hook (the native one leaves updates under
+    a dispatch mode to the Python path)."""
+    model = _model(torch.float32)
+    opt = mpfused.AdamW(model.parameters(), lr=1e-2)
+    mpfused.step_in_backward(opt, bucket_bytes=2048, worker_threads=worker_threads)
+    x = torch.randn(4, 24)
+    for _ in range(2):  # (the first step plans; from the second the armed calls serve)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with pytest.raises(ValueError, match="a failing check"), _FailingCheck():
+        model(x).square().mean().backward()
 
 
 @pytest.mark.parametrize("hook_kind", **HOOKS, indirect=True)

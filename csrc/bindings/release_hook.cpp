@@ -10,8 +10,10 @@
 #include <Python.h>
 
 #include <c10/core/GradMode.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 #include <c10/util/Exception.h>
 
+#include <cstdlib>
 #include <exception>
 #include <string>
 
@@ -29,7 +31,7 @@ struct ReadyHook {
   Py_ssize_t size;   // len(chunk.indices)
 };
 
-PyObject *s_accumulating, *s_in_backward, *s_end, *s_first_grad, *s_release, *s_worker_address,
+PyObject *s_accumulating, *s_in_backward, *s_end, *s_first_grad, *s_release, *s_worker_in_use,
     *s_call, *s_order, *s_optimizer, *s_state;
 
 // 1 / 0: the attribute's truth; -1: an error is set.
@@ -42,6 +44,8 @@ int attr_truth(PyObject* obj, PyObject* name) {
 }
 
 // GradRelease._backward_open: self._in_backward and (self._end is None or self._end() is not None)
+// (its logic again, not a call: a subclass's own _backward_open is not seen here;
+// tests/test_release_native_hook.py holds the two hooks to the same results).
 int backward_open(PyObject* h) {
   const int in_backward = attr_truth(h, s_in_backward);
   if (in_backward <= 0) return in_backward;
@@ -59,19 +63,67 @@ int backward_open(PyObject* h) {
   return open;
 }
 
+// The Python exception torch would raise for a C++ one (torch's translation of c10 errors, as
+// in a TorchScript-class call: the Python hook's path); sets it.
+void set_python_error(std::exception_ptr thrown) {
+  const bool trace = std::getenv("TORCH_SHOW_CPP_STACKTRACES") &&
+                     std::string(std::getenv("TORCH_SHOW_CPP_STACKTRACES")) == "1";
+  PyObject* type = PyExc_RuntimeError;
+  std::string message;
+  try {
+    std::rethrow_exception(thrown);
+  } catch (const c10::Error& e) {
+    message = trace ? e.what() : e.what_without_backtrace();
+    if (dynamic_cast<const c10::IndexError*>(&e)) type = PyExc_IndexError;
+    else if (dynamic_cast<const c10::ValueError*>(&e)) type = PyExc_ValueError;
+    else if (dynamic_cast<const c10::TypeError*>(&e)) type = PyExc_TypeError;
+    else if (dynamic_cast<const c10::NotImplementedError*>(&e)) type = PyExc_NotImplementedError;
+    else if (dynamic_cast<const c10::OutOfMemoryError*>(&e)) {
+      PyObject* torch = PyImport_ImportModule("torch");  // torch.OutOfMemoryError (a RuntimeError)
+      PyObject* oom = torch ? PyObject_GetAttrString(torch, "OutOfMemoryError") : nullptr;
+      Py_XDECREF(torch);
+      PyErr_Clear();
+      if (oom) {
+        PyErr_SetString(oom, message.c_str());
+        Py_DECREF(oom);
+        return;
+      }
+    }
+  } catch (const std::exception& e) {
+    message = e.what();
+  } catch (...) {
+    message = "mpfused: a gradient release failed with an unknown C++ exception";
+  }
+  PyErr_SetString(type, message.c_str());
+}
+
 // The armed release of a complete bucket, as GradRelease._release's first branch: in place, or
-// queued on the release worker where the backward has one (_worker_address: its address, set
-// with _submit). 1 done (the bucket stepped or queued, its grads None, its ready set empty); 0
-// not taken (the set as it was: the caller takes GradRelease._release); -1 an error is set.
+// queued on the release worker where the backward has one (_worker_in_use: its (threads,
+// worker, address), set with _submit). 1 done (the bucket stepped or queued, its grads None, its
+// ready set empty); 0 not taken (the set as it was: the caller takes GradRelease._release); -1
+// an error is set. Under a Python dispatch mode it is not taken: the update may call into
+// Python, whose errors the Python path raises as they are.
 int run_armed(ReadyHook* self) {
-  if (c10::GradMode::is_enabled()) return 0;
-  PyObject* worker = PyObject_GetAttr(self->handle, s_worker_address);  // None: in place
+  if (c10::GradMode::is_enabled() || c10::impl::TorchDispatchModeTLS::any_modes_set()) return 0;
+  PyObject* worker = PyObject_GetAttr(self->handle, s_worker_in_use);  // None: in place
   if (!worker) return -1;
-  void* to_worker = worker == Py_None ? nullptr : PyLong_AsVoidPtr(worker);
-  Py_DECREF(worker);
-  if (PyErr_Occurred()) return -1;
+  void* to_worker = nullptr;
+  if (worker != Py_None) {
+    PyObject* address = PyTuple_Check(worker) && PyTuple_Size(worker) == 3
+                            ? PyTuple_GetItem(worker, 2) : nullptr;
+    to_worker = address ? PyLong_AsVoidPtr(address) : nullptr;
+    if (!to_worker) {
+      Py_DECREF(worker);
+      if (!PyErr_Occurred())
+        PyErr_SetString(PyExc_RuntimeError, "ReadyHook: _worker_in_use is not (threads, worker, address)");
+      return -1;
+    }
+  }
   PyObject* call = PyObject_GetAttr(self->chunk, s_call);  // (epoch, state, ArmedStep, address)
-  if (!call) return -1;
+  if (!call) {
+    Py_DECREF(worker);
+    return -1;
+  }
   int usable = call != Py_None && PyTuple_Check(call) && PyTuple_Size(call) == 4;
   if (usable) {
     PyObject* now = PyList_GetItem(self->epoch, 0);
@@ -84,34 +136,31 @@ int run_armed(ReadyHook* self) {
     Py_XDECREF(state);
     Py_XDECREF(opt);
   }
+  const mpfused::bind::ArmedStep* armed = nullptr;
+  if (usable == 1) {
+    armed = static_cast<const mpfused::bind::ArmedStep*>(PyLong_AsVoidPtr(PyTuple_GetItem(call, 3)));
+    usable = armed ? PySet_Clear(self->ready) == 0 ? 1 : -1 : PyErr_Occurred() ? -1 : 0;
+  }
   if (usable != 1) {
     Py_DECREF(call);
+    Py_DECREF(worker);
     return usable;
   }
-  // call[2] (the ArmedStep's TorchScript object) holds the step while `call` is held, and the
-  // handle's _worker the worker (_worker_address is None once it is dropped).
-  auto* armed = static_cast<const mpfused::bind::ArmedStep*>(PyLong_AsVoidPtr(PyTuple_GetItem(call, 3)));
-  if (!armed || PySet_Clear(self->ready) < 0) {
-    Py_DECREF(call);
-    return PyErr_Occurred() ? -1 : 0;
-  }
+  // `call` holds the step (call[2], its TorchScript object) and `worker` the worker while they
+  // run without the GIL (another thread may drop the handle's references meanwhile).
   bool done = false;
-  const char* error = nullptr;
-  std::string message;
+  std::exception_ptr thrown;
   PyThreadState* thread = PyEval_SaveThread();  // (the kernels need no GIL)
   try {
     done = to_worker ? mpfused::bind::submit_to_worker(to_worker, armed) : armed->run();
-  } catch (const c10::Error& e) {
-    message = e.what_without_backtrace();
-    error = message.c_str();
-  } catch (const std::exception& e) {
-    message = e.what();
-    error = message.c_str();
+  } catch (...) {
+    thrown = std::current_exception();
   }
   PyEval_RestoreThread(thread);
   Py_DECREF(call);
-  if (error) {
-    PyErr_SetString(PyExc_RuntimeError, error);
+  Py_DECREF(worker);
+  if (thrown) {
+    if (!PyErr_Occurred()) set_python_error(thrown);  // (one a Python kernel set stays)
     return -1;
   }
   if (done) return 1;
@@ -130,6 +179,10 @@ int run_armed(ReadyHook* self) {
 
 PyObject* hook_call(PyObject* obj, PyObject* args, PyObject* kwargs) {
   auto* self = reinterpret_cast<ReadyHook*>(obj);
+  if (!self->handle || !self->chunk || !self->ready || !self->index || !self->epoch) {
+    PyErr_SetString(PyExc_RuntimeError, "ReadyHook: called after it was cleared");
+    return nullptr;
+  }
   if (!PyTuple_Check(args) || PyTuple_Size(args) != 1 || (kwargs && PyDict_Size(kwargs))) {
     PyErr_SetString(PyExc_TypeError, "ReadyHook takes the param only");
     return nullptr;
@@ -232,7 +285,7 @@ int mpfused_add_ready_hook(PyObject* module) {
   };
   const Name names[] = {{&s_accumulating, "_accumulating"}, {&s_in_backward, "_in_backward"},
                         {&s_end, "_end"},       {&s_first_grad, "_first_grad"},
-                        {&s_release, "_release"}, {&s_worker_address, "_worker_address"},
+                        {&s_release, "_release"}, {&s_worker_in_use, "_worker_in_use"},
                         {&s_call, "call"},      {&s_order, "order"},
                         {&s_optimizer, "optimizer"}, {&s_state, "state"}};
   for (const Name& n : names)

@@ -37,7 +37,7 @@ class BackwardLife:
                 "torch.compile the model without compiled autograd, or release.remove() first")
         self._drain()  # (what a failed backward left queued)
         self._number += 1
-        self._submit, self._worker_address = self._worker_on(device)
+        self._submit, self._worker_in_use = self._worker_on(device)
         for chunk in self._chunks:  # (params a failed backward marked ready)
             chunk.ready.clear()
         self._in_backward, self._pending = True, False
@@ -78,7 +78,7 @@ class BackwardLife:
     def _end_backward(self) -> None:
         try:
             if self._submit is not None:
-                self._submit = self._worker_address = None
+                self._submit = self._worker_in_use = None
                 self._drain()
             # chunks with params that got no grad in this backward release what they have
             for chunk in self._chunks:

@@ -208,10 +208,11 @@ class BucketUpdate:
                 self._scale_on(device), *groups)
 
     def _worker_on(self, device) -> tuple:
-        """(``submit``, address) of the ``ReleaseWorker`` (csrc/bindings/release_worker.cpp)
-        that runs this backward's armed releases off its thread (the address: for the native
-        hook), or (None, None): they run in place. CPU only (a GPU's launches are asynchronous
-        already). ``self._worker``: (threads, worker, its address)."""
+        """(``submit``, ``self._worker``) of the ``ReleaseWorker``
+        (csrc/bindings/release_worker.cpp) that runs this backward's armed releases off its
+        thread, or (None, None): they run in place. ``self._worker``: (threads, worker, its
+        address), which the native hook holds while it submits by address. CPU only (a GPU's
+        launches are asynchronous already)."""
         if self.worker_threads == 0 or device.type != "cpu" or torch.compiler.is_compiling():
             return None, None  # (0 first: each call here runs cold, between the backward's ops)
         threads = worker_threads(self.worker_threads)
@@ -224,7 +225,7 @@ class BucketUpdate:
         if worker is None:
             made = torch.classes.mpfused.ReleaseWorker(threads, WORKER_PENDING)
             worker = self._worker = (threads, made, made.address())
-        return worker[1].submit, worker[2]
+        return worker[1].submit, worker
 
     def _drain(self) -> None:
         """Waits for the releases queued on the worker; raises the first one's error."""

@@ -165,7 +165,7 @@ class GradRelease(BackwardLife, BucketUpdate, DDPRelease, FSDPRelease):
         self.worker_threads = worker_threads
         self._worker = None  # (threads, ReleaseWorker, address): the CPU armed releases' worker
         self._submit = None  # this backward's worker.submit, or None: releases run in place
-        self._worker_address = None  # that worker's address, for the native hook
+        self._worker_in_use = None  # that worker's self._worker tuple, for the native hook
         self._clip = PreviousNormClip(optimizer) if clip == "previous" else None
         self._group_base = [0]  # flat position of each group's first param (for the clip)
         for g in optimizer.param_groups:
