@@ -85,6 +85,7 @@ def _native_hook():
     module = _extension.load()
     return getattr(module, "ReadyHook", None) if module is not None else None
 
+
 DEFAULT_BUCKET_BYTES = 4 * 2**20  # of grads: a few MiB keeps launches few and the peak small
 
 
