@@ -103,11 +103,19 @@ def run(model, opt, scaler, data, steps, rank=None):
 
 
 def train_single(name, steps=range(STEPS), model=None, opt=None, scaler=None):
-    """The single-process reference run of a config (emulated 2-rank data parallelism)."""
+    """The single-process reference run of a config (emulated 2-rank data parallelism), at one
+    intra-op thread as the ranks (distributed_harness): CPU matmuls may round differently at
+    another thread count (seen on an AMD EPYC VM: the exact-layout runs then differed from the
+    ranks' in the last bits with the test process at 2 threads)."""
     if model is None:
         model, opt, _ = make(name)
     scaler = scaler or make_scaler()
-    run(model, opt, scaler, _data(name), steps)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run(model, opt, scaler, _data(name), steps)
+    finally:
+        torch.set_num_threads(threads)
     return model, opt, scaler
 
 

@@ -98,27 +98,30 @@ def test_native_hook_equals_the_python_hook(worker_threads, monkeypatch):
     assert native[1][3] > 0 and sum(native[1]) == native[1][3]  # (the NaN's bucket only)
 
 
+@pytest.mark.parametrize("worker_threads", [0, 1], ids=["in-backward", "worker"])
 @pytest.mark.parametrize("hook_kind", **HOOKS, indirect=True)
-def test_a_failing_update_raises_from_the_backward(hook_kind):
-    """A grad the update refuses (a hook before the release's makes it float32 on a bf16
-    param that allows any grad dtype): the backward raises the update's error, RuntimeError,
-    with either hook."""
+def test_a_failing_update_raises_from_the_backward(hook_kind, worker_threads):
+    """A grad the update refuses (a hook registered before the release's makes it float32 on a
+    bf16 param that allows any grad dtype): the backward raises the update's error,
+    RuntimeError, with either hook (on the worker: at the backward's end)."""
     model = _model(torch.bfloat16)
     if not hasattr(model[0].weight, "grad_dtype"):
         pytest.skip("needs Tensor.grad_dtype (torch >= 2.10)")
-    opt = mpfused.AdamW(model.parameters(), lr=1e-2)
-    mpfused.step_in_backward(opt, bucket_bytes=1 << 20)
-    x = torch.randn(3, 24).bfloat16()
-    model(x).float().sum().backward()  # (the first step: the general path, which plans)
-    opt.step()
-    for p in model.parameters():
+    to_float = []
+
+    def hook(p):
+        if to_float:
+            p.grad = p.grad.float()
+    for p in model.parameters():  # (hooks run in the order they were registered)
         p.grad_dtype = None
-        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", p.grad.float()))
-    # (registered after the release's: move them first)
-    for p in model.parameters():
-        hooks = p._post_accumulate_grad_hooks
-        first = next(iter(hooks))
-        hooks.move_to_end(first)
+        p.register_post_accumulate_grad_hook(hook)
+    opt = mpfused.AdamW(model.parameters(), lr=1e-2)
+    mpfused.step_in_backward(opt, bucket_bytes=1 << 20, worker_threads=worker_threads)
+    x = torch.randn(3, 24).bfloat16()
+    for _ in range(2):  # (the first step plans; from the second the armed calls serve)
+        model(x).float().sum().backward()
+        opt.step()
+    to_float.append(True)
     with pytest.raises(RuntimeError, match="dtype"):
         model(x).float().sum().backward()
 
