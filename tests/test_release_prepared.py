@@ -318,12 +318,12 @@ def test_a_subclass_launch_is_called_for_every_bucket():
     assert per_step[0] > 1  # (several release buckets)
 
 
-def _train_counting_args(cls, prepared: bool, changes: dict, steps: int):
+def _train_counting_args(cls, prepared: bool, changes: dict, steps: int, **kwargs):
     """AdamW-like release training with ``changes[step](opt)`` applied before that step's
     backward; the final snapshot and, per backward, how often ``_launch_args`` ran in it (in
     _update or while arming)."""
     model = _model(torch.bfloat16)
-    opt = cls(model.parameters(), lr=1e-2)
+    opt = cls(model.parameters(), lr=1e-2, **kwargs)
     release = mpfused.step_in_backward(opt, bucket_bytes=2048)
     if not prepared:
         release._prepare_calls = lambda device: None
@@ -361,6 +361,26 @@ def test_unchanged_backwards_keep_the_armed_calls():
     b, _, _ = _train_counting_args(mpfused.AdamW, False, CHANGES, 9)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert made == [n, n, 0, n, 0, n, n, n, 0]
+
+
+EVERY_OPTIMIZER = [mpfused.Adam, mpfused.AdamW, mpfused.SGD, mpfused.Lion,
+                   mpfused.Adam8bit, mpfused.AdamW8bit, mpfused.SGD8bit, mpfused.Lion8bit,
+                   mpfused.Adam4bit, mpfused.AdamW4bit, mpfused.SGD4bit, mpfused.Lion4bit]
+
+
+@pytest.mark.parametrize("cls", EVERY_OPTIMIZER, ids=lambda c: c.__name__)
+def test_every_optimizer_keeps_its_armed_calls(cls):
+    """No optimizer makes its armed calls again in a backward where nothing changed: each plan
+    option must be the same object from backward to backward (_calls_signature compares by
+    identity). The 8-bit and 4-bit optimizers' override epoch was a new tuple each call, so
+    they armed every bucket again in every backward (~120 us a backward on the main job's
+    model, cold). Low-bit state on the larger weights (min_8bit_size)."""
+    low_bit = "8bit" in cls.__name__ or "4bit" in cls.__name__
+    kwargs = {"min_8bit_size": 512} if low_bit else {}
+    if cls.__name__.startswith("SGD"):
+        kwargs["momentum"] = 0.9  # (the low-bit SGDs' state is the momentum buffer)
+    _, made, n = _train_counting_args(cls, True, {}, 5, **kwargs)
+    assert n > 1 and made == [n, n, 0, 0, 0]  # (the first backward plans, the second arms)
 
 
 def test_a_subclass_launch_args_is_asked_every_backward():

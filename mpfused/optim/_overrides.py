@@ -14,6 +14,7 @@ __all__ = ["keep_32bit_state"]
 # ---- per-param 32-bit override ---------------------------------------------------------------
 _KEEP32_MODULES: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
 _OVERRIDES = [0]  # bumped on every registration: cached kernel plans are rebuilt
+_LAST_EPOCH = [(0,)]  # the last value of _overrides_epoch()
 
 
 def keep_32bit_state(module_or_params, enabled: bool = True) -> None:
@@ -73,9 +74,13 @@ def _bnb_32bit_ids() -> set[int]:
 def _overrides_epoch() -> tuple:
     """A value that changes whenever the 32-bit overrides may have (cached kernel plans are
     rebuilt then). bnb's registrations are seen by their count: a config dict edited in place
-    is not seen until the plan is rebuilt for another reason."""
+    is not seen until the plan is rebuilt for another reason. The same tuple object while the
+    value is the same: gradient release keeps its armed calls only while every plan option is
+    the same object as when they were made (_release_update._calls_signature)."""
     mng = _bnb_manager()
-    if mng is None:
-        return (_OVERRIDES[0],)
-    return (_OVERRIDES[0], len(getattr(mng, "pid2config", ())),
-            len(getattr(mng, "module_weight_config_triple", ())))
+    value = (_OVERRIDES[0],) if mng is None else (
+        _OVERRIDES[0], len(getattr(mng, "pid2config", ())),
+        len(getattr(mng, "module_weight_config_triple", ())))
+    if value != _LAST_EPOCH[0]:
+        _LAST_EPOCH[0] = value
+    return _LAST_EPOCH[0]
