@@ -391,3 +391,52 @@ def test_a_subclass_launch_args_is_asked_every_backward():
     b, _, _ = _train_counting_args(Own, False, {}, 4)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert made == [n] * 4
+
+
+def _train_keeping_flags(ahead: bool, scaler_on: bool, steps=6):
+    """AdamW8bit release training with non-finite grads on step 2 (one param) and step 4 (two
+    params of different buckets); per step the ``skipped`` tensor, the found flag and, before
+    the backward, the skipped tensor made ahead (None where none was)."""
+    model = _model(torch.float16 if scaler_on else torch.bfloat16)
+    opt = mpfused.AdamW8bit(model.parameters(), lr=1e-2, min_8bit_size=512)
+    scaler = mpfused.GradScaler("cpu", init_scale=2.0 ** 8) if scaler_on else None
+    release = mpfused.step_in_backward(opt, scaler=scaler, bucket_bytes=2048)
+    if not ahead:
+        release._make_flags_ahead = lambda: None
+    hooks = _inject_hooks(model, {2: {0}, 4: {2, 4}})
+    gen = torch.Generator().manual_seed(3)
+    rows = []
+    for step in range(steps):
+        hooks["step"] = step
+        made = release._ahead.get(torch.device("cpu"))
+        loss = model(torch.randn(5, 24, generator=gen).to(model[0].weight.dtype)).float()
+        loss = loss.square().mean()
+        (scaler.scale(loss) if scaler else loss).backward()
+        rows.append((release.skipped, release.found_inf_per_device()[torch.device("cpu")],
+                     None if made is None else made[0]))
+        _finish_step(opt, scaler, [])
+    return _snapshot(model, opt), rows
+
+
+@pytest.mark.parametrize("scaler_on", [False, True])
+def test_flags_made_ahead_are_new_each_backward(scaler_on):
+    """opt.step() makes the next backward's flag tensors outside the backward
+    (_make_flags_ahead) where no scale is read: that backward takes them (release.skipped is
+    the one made ahead), each backward's skipped and found flag are new tensors that later
+    backwards leave as they were, and training equals the same run without them bit for bit.
+    With a GradScaler none are made (the inverse scale comes from the scale)."""
+    a, rows = _train_keeping_flags(True, scaler_on)
+    b, rows_b = _train_keeping_flags(False, scaler_on)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    want = [0, 0, 1, 0, 2, 0]  # (step 4: params 2 and 4 lie in different 2 KiB buckets)
+    for got in (rows, rows_b):
+        assert [int(s) for s, _, _ in got] == want
+        assert [float(f) for _, f, _ in got] == [float(w > 0) for w in want]
+        assert len({id(t) for row in got for t in row[:2]}) == 2 * len(got)  # all new
+    made = [m for _, _, m in rows]
+    if scaler_on:
+        assert made == [None] * len(rows)
+    else:
+        # (the first backward plans, the second arms: from the third on they are made ahead)
+        assert made[:2] == [None, None] and all(m is s for m, (s, _, _) in zip(made[2:], rows[2:]))
+    assert all(m is None for _, _, m in rows_b)

@@ -42,7 +42,10 @@ class BackwardLife:
             chunk.ready.clear()
         self._in_backward, self._pending = True, False
         self._found, self._flags, self._hypers, self._scaling = {}, {}, {}, {}
-        self.skipped = torch.zeros((), dtype=torch.int32, device=device)
+        self._ahead_now, self._ahead = self._ahead, {}  # (made at the last opt.step(), if any)
+        ahead = self._ahead_now.get(device)
+        self.skipped = (ahead[0] if ahead is not None
+                        else torch.zeros((), dtype=torch.int32, device=device))
         if self._clip is not None:
             self._clip.start(device)
         self._end = None

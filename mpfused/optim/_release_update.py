@@ -234,13 +234,39 @@ class BucketUpdate:
 
     def _release_flags_on(self, device):
         """The ``ReleaseFlags`` the armed steps on a device read, set to this backward's flags
-        (one object per device, kept: the armed steps hold it)."""
+        (one object per device, kept: the armed steps hold it). Not set again when it holds
+        them already (made ahead: ``_make_flags_ahead``)."""
         flags = self._armed_flags.get(device)
         if flags is None:
             flags = self._armed_flags[device] = torch.classes.mpfused.ReleaseFlags()
         _, inv, found, total = self._flags_on(device)
-        flags.set(found, inv, total, self.skipped)
+        held = (found, inv, total, self.skipped)
+        last = self._armed_holds.get(device)
+        if last is None or not all(map(operator.is_, last, held)):
+            flags.set(*held)  # (a TorchScript-class call: ~65 us cold, between backward ops)
+            self._armed_holds[device] = held
         return flags
+
+    def _make_flags_ahead(self) -> None:
+        """At ``opt.step()``, outside the backward: the next backward's new flag tensors
+        (``skipped``, the inverse scale 1, the backward's found flag) made and set in the armed
+        steps' flags now, which the next backward on that device then takes (``_start_backward``,
+        ``_flags_on``). Inside the backward, between its ops, the three tensors and the
+        ``ReleaseFlags.set`` cost ~100 us cold (benchmarks/results/
+        release-8bit-accounting-cpu2-2026-11-28.txt). Where a scale is read (a GradScaler) the
+        inverse scale is made from it at the backward's start, as before."""
+        self._ahead = {}
+        for device, flags in self._armed_flags.items():
+            found = self._bucket_found.get(device)
+            if found is None or self._scale_on(device) is not None:
+                continue
+            made = (torch.zeros((), dtype=torch.int32, device=device),
+                    torch.ones((), dtype=torch.float32, device=device),
+                    torch.zeros((), dtype=torch.float32, device=device))
+            held = (found, made[1], made[2], made[0])
+            flags.set(*held)
+            self._armed_holds[device] = held
+            self._ahead[device] = made
 
     def _hyper_on(self, group_index: int, device) -> dict:
         """The group's ``_hyper`` on a device, once per group and backward (options change
@@ -306,14 +332,19 @@ class BucketUpdate:
         flags = self._flags.get(device)
         if flags is None:
             scale = self._scale_on(device)
-            inv = (torch.ones((), dtype=torch.float32, device=device) if scale is None
-                   else scale.double().reciprocal().float())
+            ahead = self._ahead_now.pop(device, None)  # (_make_flags_ahead: no scale then)
+            if scale is None and ahead is not None:
+                inv, total = ahead[1], ahead[2]
+            else:
+                inv = (torch.ones((), dtype=torch.float32, device=device) if scale is None
+                       else scale.double().reciprocal().float())
+                total = torch.zeros((), dtype=torch.float32, device=device)
             found = self._bucket_found.get(device)
             if found is None:
                 found = self._bucket_found[device] = torch.zeros((), dtype=torch.float32,
                                                                  device=device)
-            self._found[device] = torch.zeros((), dtype=torch.float32, device=device)
-            flags = self._flags[device] = (scale, inv, found, self._found[device])
+            self._found[device] = total
+            flags = self._flags[device] = (scale, inv, found, total)
         return flags
 
     def _scale_on(self, device):

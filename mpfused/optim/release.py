@@ -162,6 +162,9 @@ class GradRelease(BackwardLife, BucketUpdate, DDPRelease, FSDPRelease):
         self._hypers: dict = {}  # (group index, device) -> the group's _hyper, for this backward
         self._bucket_found: dict[torch.device, torch.Tensor] = {}  # reused by every bucket
         self._armed_flags: dict = {}  # device -> the ReleaseFlags its armed steps read
+        self._armed_holds: dict = {}  # device -> the tensors last set in it
+        self._ahead: dict = {}  # device -> the next backward's flag tensors (_make_flags_ahead)
+        self._ahead_now: dict = {}  # the same, taken by this backward
         self._armed_signature = None  # what the chunks' calls were made from (_prepare_calls)
         self.worker_threads = worker_threads
         self._worker = None  # (threads, ReleaseWorker, address): the CPU armed releases' worker
@@ -287,6 +290,7 @@ class GradRelease(BackwardLife, BucketUpdate, DDPRelease, FSDPRelease):
         if self._in_backward and self._end is not None:
             self._end_backward()
         self._in_backward = False
+        self._make_flags_ahead()
         opt = self.optimizer
         # An optimizer with no state yet, given grads by hand (not by an accumulating backward):
         # torch.distributed.checkpoint's get_state_dict makes the state to load into this way
