@@ -12,7 +12,8 @@ namespace mpfused::bind {
 
 // The flags one backward's release checks write (release_check's found, inv_scale, found_total,
 // skipped), shared by every ArmedStep of an optimizer: set once per backward, as they are new
-// tensors each backward (mpfused/optim/_release_update.py, _prepare_calls).
+// tensors each backward (mpfused/optim/_release_update.py: at the opt.step() before it,
+// _make_flags_ahead, or at its start, _prepare_calls).
 struct ReleaseFlags : torch::CustomClassHolder {
   at::Tensor found, inv_scale, found_total, skipped;
   void set(const at::Tensor& found_, const at::Tensor& inv_scale_, const at::Tensor& found_total_,
