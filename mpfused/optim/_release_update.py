@@ -254,11 +254,13 @@ class BucketUpdate:
         ``_flags_on``). Inside the backward, between its ops, the three tensors and the
         ``ReleaseFlags.set`` cost ~100 us cold (benchmarks/results/
         release-8bit-accounting-cpu2-2026-11-28.txt). Where a scale is read (a GradScaler) the
-        inverse scale is made from it at the backward's start, as before."""
+        inverse scale is made from it at the backward's start, as before. CPU only: a GPU's
+        tensors made here would be zeroed on the stream current at opt.step(), which need not be
+        the backward's (and its host time in the backward hides behind the kernels)."""
         self._ahead = {}
         for device, flags in self._armed_flags.items():
             found = self._bucket_found.get(device)
-            if found is None or self._scale_on(device) is not None:
+            if device.type != "cpu" or found is None or self._scale_on(device) is not None:
                 continue
             made = (torch.zeros((), dtype=torch.int32, device=device),
                     torch.ones((), dtype=torch.float32, device=device),
