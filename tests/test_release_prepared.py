@@ -393,14 +393,15 @@ def test_a_subclass_launch_args_is_asked_every_backward():
     assert made == [n] * 4
 
 
-def _train_keeping_flags(ahead: bool, scaler_on: bool, steps=6):
+def _train_keeping_flags(ahead: bool, scaler_on: bool, worker_threads: int, steps=6):
     """AdamW8bit release training with non-finite grads on step 2 (one param) and step 4 (two
     params of different buckets); per step the ``skipped`` tensor, the found flag and, before
     the backward, the skipped tensor made ahead (None where none was)."""
     model = _model(torch.float16 if scaler_on else torch.bfloat16)
     opt = mpfused.AdamW8bit(model.parameters(), lr=1e-2, min_8bit_size=512)
     scaler = mpfused.GradScaler("cpu", init_scale=2.0 ** 8) if scaler_on else None
-    release = mpfused.step_in_backward(opt, scaler=scaler, bucket_bytes=2048)
+    release = mpfused.step_in_backward(opt, scaler=scaler, bucket_bytes=2048,
+                                       worker_threads=worker_threads)
     if not ahead:
         release._make_flags_ahead = lambda: None
     hooks = _inject_hooks(model, {2: {0}, 4: {2, 4}})
@@ -418,15 +419,16 @@ def _train_keeping_flags(ahead: bool, scaler_on: bool, steps=6):
     return _snapshot(model, opt), rows
 
 
+@pytest.mark.parametrize("worker_threads", [0, 1], ids=["in-backward", "worker"])
 @pytest.mark.parametrize("scaler_on", [False, True])
-def test_flags_made_ahead_are_new_each_backward(scaler_on):
+def test_flags_made_ahead_are_new_each_backward(scaler_on, worker_threads):
     """opt.step() makes the next backward's flag tensors outside the backward
     (_make_flags_ahead) where no scale is read: that backward takes them (release.skipped is
     the one made ahead), each backward's skipped and found flag are new tensors that later
     backwards leave as they were, and training equals the same run without them bit for bit.
     With a GradScaler none are made (the inverse scale comes from the scale)."""
-    a, rows = _train_keeping_flags(True, scaler_on)
-    b, rows_b = _train_keeping_flags(False, scaler_on)
+    a, rows = _train_keeping_flags(True, scaler_on, worker_threads)
+    b, rows_b = _train_keeping_flags(False, scaler_on, worker_threads)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     want = [0, 0, 1, 0, 2, 0]  # (step 4: params 2 and 4 lie in different 2 KiB buckets)
     for got in (rows, rows_b):
@@ -440,3 +442,28 @@ def test_flags_made_ahead_are_new_each_backward(scaler_on):
         # (the first backward plans, the second arms: from the third on they are made ahead)
         assert made[:2] == [None, None] and all(m is s for m, (s, _, _) in zip(made[2:], rows[2:]))
     assert all(m is None for _, _, m in rows_b)
+
+
+def test_a_compiled_step_with_release_attached():
+    """opt.step() compiled with fullgraph=True while release is attached (the step only ends
+    the backward's bookkeeping): the flags are then not made ahead (a TorchScript-class call
+    does not trace) and the next backward makes them; training equals the eager steps."""
+    def run(compiled: bool):
+        model = _model(torch.float32)
+        opt = mpfused.AdamW(model.parameters(), lr=1e-2)
+        release = mpfused.step_in_backward(opt, bucket_bytes=2048, worker_threads=0)
+        step = torch.compile(opt.step, fullgraph=True, backend="eager") if compiled else opt.step
+        gen = torch.Generator().manual_seed(7)
+        skipped = []
+        for _ in range(4):
+            model(torch.randn(5, 24, generator=gen)).square().mean().backward()
+            skipped.append(release.skipped)
+            step()
+        return _snapshot(model, opt), [int(s) for s in skipped]
+    torch._dynamo.reset()
+    try:
+        a, sa = run(True)
+    finally:
+        torch._dynamo.reset()
+    b, sb = run(False)
+    assert all(torch.equal(x, y) for x, y in zip(a, b)) and sa == sb == [0] * 4

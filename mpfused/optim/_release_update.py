@@ -258,6 +258,8 @@ class BucketUpdate:
         tensors made here would be zeroed on the stream current at opt.step(), which need not be
         the backward's (and its host time in the backward hides behind the kernels)."""
         self._ahead = {}
+        if torch.compiler.is_compiling():
+            return  # (a compiled opt.step(): the TorchScript-class call does not trace)
         for device, flags in self._armed_flags.items():
             found = self._bucket_found.get(device)
             if device.type != "cpu" or found is None or self._scale_on(device) is not None:
